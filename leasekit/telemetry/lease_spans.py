@@ -1,0 +1,227 @@
+"""Lease spans: one OpenTelemetry span per lease per P worker (TP rank), from grant to its end.
+
+Each transition is a *span event* on the lease span, not a child span: a lease sees one heartbeat
+per interval ``H`` for as long as D keeps it waiting, and a child span per extension would make span
+volume grow with requests x heartbeats. Events keep one span per lease; extension events are capped
+(``max_extend_events``, oldest kept) while ``leasekit.extend_count`` and
+``leasekit.last_extend_monotonic_s`` always carry the full count and the last delivered heartbeat.
+
+Times passed in are seconds on the worker's ``time.perf_counter`` (where vLLM keeps lease deadlines,
+vllm 0.32.0 ``base_worker.py: _reqs_to_send``); every event records it as ``leasekit.monotonic_s``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from opentelemetry import trace
+
+from leasekit.lease.config import LeaseTiming
+from leasekit.telemetry import semconv as sc
+
+
+@dataclass(slots=True)
+class _OpenLease:
+    span: trace.Span
+    deadline_s: float
+    extend_count: int = 0
+    extend_events_dropped: int = 0
+    retrievals: int = 0
+    last_extend_s: float | None = None
+    remote_agent: str | None = None
+
+
+class LeaseSpanRecorder:
+    """Turns the lease transitions of one P worker into spans.
+
+    Every method is O(1), never raises for an unknown request id (it returns False and records
+    nothing), and takes an optional ``now`` (seconds, worker perf_counter) for tests.
+
+    Args:
+        tracer: the tracer to start spans on.
+        engine_id: this P engine's id (vLLM ``kv_transfer_config.engine_id``).
+        tp_rank: this worker's tensor-parallel rank.
+        timing: the lease timing in force (recorded on every span).
+        kv_role: vLLM ``kv_role`` of this engine (``kv_producer`` for P).
+        clock: seconds clock used when ``now`` is not given; must be the clock deadlines use.
+        max_extend_events: extension events kept per span (>= 0); later ones are counted only.
+
+    Raises:
+        ValueError: ``max_extend_events`` is negative.
+    """
+
+    def __init__(
+        self,
+        tracer: trace.Tracer,
+        *,
+        engine_id: str,
+        tp_rank: int,
+        timing: LeaseTiming,
+        kv_role: str = "kv_producer",
+        clock: Callable[[], float] = time.perf_counter,
+        max_extend_events: int = 64,
+    ):
+        if max_extend_events < 0:
+            raise ValueError(f"max_extend_events must be >= 0, got {max_extend_events}")
+        self._tracer = tracer
+        self._engine_id = engine_id
+        self._tp_rank = tp_rank
+        self._kv_role = kv_role
+        self._timing = timing
+        self._clock = clock
+        self._max_extend_events = max_extend_events
+        self._open: dict[str, _OpenLease] = {}
+
+    # -- queries ---------------------------------------------------------------------------
+    def has(self, req_id: str) -> bool:
+        """Whether a lease for ``req_id`` is open on this worker."""
+        return req_id in self._open
+
+    @property
+    def active(self) -> int:
+        """Number of open leases on this worker."""
+        return len(self._open)
+
+    def open_ids(self) -> list[str]:
+        """Request ids of the open leases (a copy)."""
+        return list(self._open)
+
+    def deadline(self, req_id: str) -> float | None:
+        """The last deadline recorded for ``req_id`` (seconds, worker clock), or None."""
+        lease = self._open.get(req_id)
+        return None if lease is None else lease.deadline_s
+
+    # -- transitions -----------------------------------------------------------------------
+    def grant(self, req_id: str, deadline_s: float, *, kv_blocks: int | None = None, now: float | None = None) -> bool:
+        """Open the lease span for ``req_id`` with its first deadline. False if already open."""
+        if req_id in self._open:
+            return False
+        now = self._clock() if now is None else now
+        grant_s = deadline_s - self._timing.lease_duration_s
+        attributes = {
+            sc.REQUEST_ID: req_id,
+            sc.ENGINE_ID: self._engine_id,
+            sc.KV_ROLE: self._kv_role,
+            sc.TP_RANK: self._tp_rank,
+            sc.LEASE_DURATION_S: float(self._timing.lease_duration_s),
+            sc.EXTENSION_S: float(self._timing.extension_s),
+            sc.GRANT_MONOTONIC_S: grant_s,
+            sc.INITIAL_DEADLINE_MONOTONIC_S: deadline_s,
+        }
+        if kv_blocks is not None:
+            attributes[sc.KV_BLOCKS] = int(kv_blocks)
+        span = self._tracer.start_span(sc.LEASE_SPAN_NAME, kind=trace.SpanKind.INTERNAL, attributes=attributes)
+        span.add_event(
+            sc.EVENT_GRANT,
+            {sc.EV_MONOTONIC_S: now, sc.EV_DEADLINE_REMAINING_S: deadline_s - now},
+        )
+        self._open[req_id] = _OpenLease(span=span, deadline_s=deadline_s)
+        return True
+
+    def extend(self, req_id: str, deadline_s: float, *, remote_agent: str | None = None, now: float | None = None) -> bool:
+        """Record a delivered heartbeat naming ``req_id`` and the deadline it left. False if unknown."""
+        lease = self._open.get(req_id)
+        if lease is None:
+            return False
+        now = self._clock() if now is None else now
+        lease.extend_count += 1
+        lease.deadline_s = deadline_s
+        lease.last_extend_s = now
+        if remote_agent and lease.remote_agent is None:
+            lease.remote_agent = remote_agent
+            lease.span.set_attribute(sc.REMOTE_AGENT, remote_agent)
+        if lease.extend_count <= self._max_extend_events:
+            lease.span.add_event(
+                sc.EVENT_EXTEND,
+                {
+                    sc.EV_MONOTONIC_S: now,
+                    sc.EV_DEADLINE_REMAINING_S: deadline_s - now,
+                    sc.EV_EXTEND_COUNT: lease.extend_count,
+                },
+            )
+        else:
+            lease.extend_events_dropped += 1
+        return True
+
+    def retrieval(self, req_id: str, *, remote_agent: str | None = None, now: float | None = None) -> bool:
+        """Record one read-completion notification (one consumer rank done). False if unknown."""
+        lease = self._open.get(req_id)
+        if lease is None:
+            return False
+        now = self._clock() if now is None else now
+        lease.retrievals += 1
+        if remote_agent and lease.remote_agent is None:
+            lease.remote_agent = remote_agent
+            lease.span.set_attribute(sc.REMOTE_AGENT, remote_agent)
+        attributes = {sc.EV_MONOTONIC_S: now, sc.EV_RETRIEVALS: lease.retrievals}
+        if remote_agent:
+            attributes[sc.EV_REMOTE_AGENT] = remote_agent
+        lease.span.add_event(sc.EVENT_RETRIEVAL, attributes)
+        return True
+
+    def release(self, req_id: str, *, now: float | None = None) -> bool:
+        """End the lease with outcome ``released`` (all consumers read it). False if unknown."""
+        return self._end(req_id, sc.OUTCOME_RELEASED, sc.EVENT_RELEASE, now)
+
+    def expire(self, req_id: str, *, step_gap_s: float | None = None, now: float | None = None) -> bool:
+        """End the lease with outcome ``expired`` (reaped at or after its deadline). False if unknown.
+
+        ``step_gap_s``: seconds since P's previous engine step (the tick this reap waited on).
+        """
+        return self._end(req_id, sc.OUTCOME_EXPIRED, sc.EVENT_EXPIRE, now, step_gap_s=step_gap_s)
+
+    def abort(self, req_id: str, reason: str, *, now: float | None = None) -> bool:
+        """End the lease with outcome ``aborted`` (freed neither by release nor expiry). False if unknown."""
+        return self._end(req_id, sc.OUTCOME_ABORTED, sc.EVENT_ABORT, now, reason=reason)
+
+    def abort_all(self, reason: str) -> int:
+        """Abort every open lease (worker shutdown); returns how many were open."""
+        ids = list(self._open)
+        for req_id in ids:
+            self.abort(req_id, reason)
+        return len(ids)
+
+    def _end(
+        self,
+        req_id: str,
+        outcome: str,
+        event: str,
+        now: float | None,
+        *,
+        step_gap_s: float | None = None,
+        reason: str | None = None,
+    ) -> bool:
+        lease = self._open.pop(req_id, None)
+        if lease is None:
+            return False
+        now = self._clock() if now is None else now
+        span = lease.span
+        event_attributes = {
+            sc.EV_MONOTONIC_S: now,
+            sc.EV_DEADLINE_REMAINING_S: lease.deadline_s - now,
+            sc.EV_RETRIEVALS: lease.retrievals,
+        }
+        if reason:
+            event_attributes[sc.ABORT_REASON] = reason
+        span.add_event(event, event_attributes)
+        attributes = {
+            sc.OUTCOME: outcome,
+            sc.END_MONOTONIC_S: now,
+            sc.DEADLINE_MONOTONIC_S: lease.deadline_s,
+            sc.EXTEND_COUNT: lease.extend_count,
+            sc.EXTEND_EVENTS_DROPPED: lease.extend_events_dropped,
+            sc.RETRIEVALS: lease.retrievals,
+        }
+        if lease.last_extend_s is not None:
+            attributes[sc.LAST_EXTEND_MONOTONIC_S] = lease.last_extend_s
+        if outcome == sc.OUTCOME_EXPIRED:
+            attributes[sc.RECLAIM_LAG_S] = now - lease.deadline_s
+        if step_gap_s is not None:
+            attributes[sc.STEP_GAP_S] = step_gap_s
+        if reason:
+            attributes[sc.ABORT_REASON] = reason
+        span.set_attributes(attributes)
+        span.end()
+        return True

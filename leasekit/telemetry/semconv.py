@@ -1,0 +1,53 @@
+"""Names of the lease span, its events and attributes: the one place they are declared.
+
+The request id uses vLLM's own request-tracing attribute (``gen_ai.request.id``, vllm 0.32.0
+``vllm/tracing/utils.py: SpanAttributes.GEN_AI_REQUEST_ID``) so lease spans join request spans.
+Times named ``*_monotonic_s`` are seconds on the emitting process's ``time.perf_counter`` (the
+clock P's lease deadlines live on); span timestamps themselves are wall-clock nanoseconds.
+"""
+
+LEASE_SPAN_NAME = "kv_lease"
+"""One span per lease per P worker (TP rank), from grant to its end."""
+
+# Span events, one per lease transition (etcd lessor.go names every transition the same way).
+EVENT_GRANT = "grant"
+EVENT_EXTEND = "extend"
+EVENT_RETRIEVAL = "retrieval"
+EVENT_EXPIRE = "expire"
+EVENT_RELEASE = "release"
+EVENT_ABORT = "abort"
+
+# Outcomes a lease span ends with.
+OUTCOME_RELEASED = "released"
+OUTCOME_EXPIRED = "expired"
+OUTCOME_ABORTED = "aborted"
+OUTCOMES = (OUTCOME_RELEASED, OUTCOME_EXPIRED, OUTCOME_ABORTED)
+
+# Span attributes.
+REQUEST_ID = "gen_ai.request.id"
+ENGINE_ID = "leasekit.engine_id"
+KV_ROLE = "leasekit.kv_role"
+TP_RANK = "leasekit.tp_rank"
+REMOTE_AGENT = "leasekit.remote_agent"
+KV_BLOCKS = "leasekit.kv_blocks"
+LEASE_DURATION_S = "leasekit.lease_duration_s"
+EXTENSION_S = "leasekit.extension_s"
+GRANT_MONOTONIC_S = "leasekit.grant_monotonic_s"
+INITIAL_DEADLINE_MONOTONIC_S = "leasekit.initial_deadline_monotonic_s"
+DEADLINE_MONOTONIC_S = "leasekit.deadline_monotonic_s"
+LAST_EXTEND_MONOTONIC_S = "leasekit.last_extend_monotonic_s"
+END_MONOTONIC_S = "leasekit.end_monotonic_s"
+EXTEND_COUNT = "leasekit.extend_count"
+EXTEND_EVENTS_DROPPED = "leasekit.extend_events_dropped"
+RETRIEVALS = "leasekit.retrievals"
+OUTCOME = "leasekit.outcome"
+ABORT_REASON = "leasekit.abort_reason"
+RECLAIM_LAG_S = "leasekit.reclaim_lag_s"
+STEP_GAP_S = "leasekit.step_gap_s"
+
+# Event attributes.
+EV_MONOTONIC_S = "leasekit.monotonic_s"
+EV_DEADLINE_REMAINING_S = "leasekit.deadline_remaining_s"
+EV_EXTEND_COUNT = EXTEND_COUNT
+EV_RETRIEVALS = RETRIEVALS
+EV_REMOTE_AGENT = REMOTE_AGENT

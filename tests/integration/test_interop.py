@@ -1,0 +1,61 @@
+"""Wire compatibility: LeaseKitConnector on one side, stock NixlConnector on the other, both ways.
+
+Each pair queues requests on D for longer than the lease, so they are served only if D's
+heartbeats reach P and P understands them."""
+
+import pytest
+
+from leasekit.chaos.leases import read_leases
+from leasekit.chaos.workload import QueuedDecodeLoad
+from leasekit.cluster.pair import PairSpec, PDPair
+
+pytestmark = pytest.mark.pair
+L = 6
+HOLD_S = 1.5 * L
+
+
+def queued_requests_survive_the_lease(pair: PDPair, n: int = 2) -> QueuedDecodeLoad:
+    load = QueuedDecodeLoad(pair, requests=n)
+    load.start()
+    import time
+
+    time.sleep(HOLD_S)
+    load.release_slot()
+    assert load.wait_decodes(120)
+    for index, result in load.decodes.items():
+        assert result.ok, f"request {index}: HTTP {result.status} {result.error}"
+        assert len(result.token_ids) == load.decode_tokens
+    return load
+
+
+@pytest.fixture
+def pair(request, vllm_available, tmp_path):
+    prefill_connector, decode_connector = request.param
+    spec = PairSpec.pinned(prefill_connector=prefill_connector, decode_connector=decode_connector, lease_duration_s=L)
+    with PDPair(spec, tmp_path / "run") as started:
+        yield started
+
+
+@pytest.mark.parametrize("pair", [("leasekit", "stock")], indirect=True)
+def test_leasekit_prefill_with_stock_decode(pair):
+    load = queued_requests_survive_the_lease(pair)
+    import time
+
+    time.sleep(0.5)
+    leases = {lease.request_id: lease for lease in read_leases(pair.span_dir)[0]}
+    for rid in load.request_ids:
+        lease = leases[rid]
+        assert lease.outcome == "released" and lease.retrievals == 1 and lease.kv_blocks >= 1
+        assert lease.heartbeat_count >= 3, "stock D's heartbeats must reach LeaseKit P"
+        assert lease.end_s - lease.grant_s > L  # alive past L only through heartbeats
+        assert lease.remote_agent
+    assert "Releasing expired KV blocks" not in pair.prefill.log_path.read_text()
+
+
+@pytest.mark.parametrize("pair", [("stock", "leasekit")], indirect=True)
+def test_stock_prefill_with_leasekit_decode(pair):
+    queued_requests_survive_the_lease(pair)
+    log = pair.prefill.log_path.read_text()
+    assert "Releasing expired KV blocks" not in log, "LeaseKit D's heartbeats must keep stock P's leases"
+    # stock P writes no lease spans; LeaseKit D's span file holds no P-side leases
+    assert read_leases(pair.span_dir)[0] == []

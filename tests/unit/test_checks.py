@@ -1,0 +1,76 @@
+"""The checker's verdicts on synthetic lease timelines (pure logic: no pair needed)."""
+
+import pytest
+
+from leasekit.chaos import FAIL, PASS, UNKNOWN
+from leasekit.chaos.checks import check_bounded_reclaim, check_lease_reclaim, check_steady_state
+from leasekit.chaos.leases import LeaseTimeline
+from leasekit.cluster.router import DecodeResult
+from leasekit.lease import LeaseTiming
+
+T6 = LeaseTiming.from_lease_duration(6)  # H=1, E=4
+
+
+def lease(rid="R", *, outcome="expired", hbs=(1.0, 2.0), end=6.5, L=6.0, grant=100.0):
+    hbs = tuple(grant + h for h in hbs)
+    return LeaseTimeline(
+        request_id=rid, engine_id="P", tp_rank=0, kv_blocks=1, lease_duration_s=L, extension_s=4.0,
+        grant_s=grant, initial_deadline_s=grant + L, heartbeats_s=hbs, heartbeat_count=len(hbs),
+        last_heartbeat_s=hbs[-1] if hbs else None, deadline_s=grant + end, end_s=grant + end,
+        outcome=outcome, retrievals=0, step_gap_s=0.001, remote_agent="D",
+    )
+
+
+@pytest.mark.parametrize(
+    "hbs, end, verdict, why",
+    [
+        ((1.0, 2.5), 6.5, PASS, "within bound"),  # deadline max(6, 6.5) = 6.5
+        ((1.0, 2.5), 7.0, PASS, "within bound"),  # deadline + 0.5 tick
+        ((1.0, 2.5), 7.01, FAIL, "after the bound"),
+        ((1.0, 2.5), 6.2, FAIL, "premature"),  # before last heartbeat + E
+        ((), 5.9, FAIL, "premature"),  # before grant + L
+        ((), 6.0, PASS, "no heartbeat delivered"),
+    ],
+)
+def test_one_lease_against_the_bound(hbs, end, verdict, why):
+    row = check_lease_reclaim(lease(hbs=hbs, end=end), T6, tick_s=0.5)
+    assert row.verdict == verdict
+    assert why in row.reason
+    assert row.bound_s == pytest.approx(max(6.0, (hbs[-1] if hbs else 0) + 4.0) + 0.5)
+    assert row.measured_s == pytest.approx(end)
+
+
+def test_released_and_aborted_leases():
+    assert check_lease_reclaim(lease(outcome="released", end=2.0), T6, 0.5).verdict == UNKNOWN
+    assert check_lease_reclaim(lease(outcome="aborted", end=2.0), T6, 0.5).verdict == FAIL
+
+
+def test_lease_duration_mismatch_is_unknown():
+    row = check_lease_reclaim(lease(L=30.0), T6, 0.5)
+    assert row.verdict == UNKNOWN and "L=30.0" in row.reason
+
+
+def test_aggregate_verdicts():
+    ok = check_bounded_reclaim([lease("A"), lease("B", end=6.1)], ["A", "B"], T6, 0.5)
+    assert ok.verdict == PASS and ok.details["min_margin_s"] == pytest.approx(0.0)  # A ends exactly on its bound
+    missing = check_bounded_reclaim([lease("A")], ["A", "B"], T6, 0.5, waited_s=26)
+    assert missing.verdict == FAIL and "still pinned" in missing.rows[1].reason
+    partial = check_bounded_reclaim([lease("A")], ["A", "B"], T6, 0.5, partial=True)
+    assert partial.verdict == PASS and partial.rows[1].verdict == UNKNOWN
+    no_hb = check_bounded_reclaim([lease("A", hbs=(), end=6.0)], ["A"], T6, 0.5)
+    assert no_hb.verdict == UNKNOWN and "did not exercise" in no_hb.summary
+    all_released = check_bounded_reclaim([lease("A", outcome="released", end=1.0)], ["A"], T6, 0.5)
+    assert all_released.verdict == UNKNOWN
+
+
+def test_steady_state():
+    served = {0: DecodeResult(200, 0.1, token_ids=[1]), 1: DecodeResult(200, 0.1, token_ids=[2])}
+    released = [lease("A", outcome="released", end=9.0), lease("B", outcome="released", end=9.1)]
+    ok = check_steady_state(released, ["A", "B"], served, T6)
+    assert ok.verdict == PASS and ok.details["leases_outlived_L_on_heartbeats"]
+    one_expired = check_steady_state([released[0], lease("B", end=6.0)], ["A", "B"], served, T6)
+    assert one_expired.verdict == FAIL and one_expired.details["expiries"] == 1
+    failed_decode = {0: served[0], 1: DecodeResult(500, 0.1, error="boom")}
+    not_served = check_steady_state(released, ["A", "B"], failed_decode, T6)
+    assert not_served.verdict == FAIL and "not served" in not_served.summary
+    assert check_steady_state(released, ["A", "B"], failed_decode, T6, all_served=False).verdict == PASS

@@ -1,0 +1,34 @@
+"""The leasekit command line (commands that need no pair)."""
+
+import json
+
+import pytest
+
+from leasekit.cli import main
+
+
+def test_bounds_json(capsys):
+    assert main(["bounds", "--lease-duration", "30", "--tick", "0.1", "-o", "json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["heartbeat_interval_s"] == 5 and data["extension_s"] == 20
+    assert data["safe_stall_s"] == 15.0 and data["heartbeat_loss_budget"] == 2
+    assert data["reclaim_after_silence_worst_case_s"] == pytest.approx(30.1)
+
+
+def test_bounds_below_six_seconds_explains_the_budget(capsys):
+    assert main(["bounds", "--lease-duration", "5", "-o", "json"]) == 0
+    assert "undefined" in json.loads(capsys.readouterr().out)["heartbeat_loss_budget"]
+
+
+def test_bad_lease_duration_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["bounds", "--lease-duration", "-3"])
+    assert info.value.code == 2
+    assert "must be > 0" in capsys.readouterr().err
+
+
+def test_chaos_list_and_unknown_scenario(capsys):
+    assert main(["chaos", "list"]) == 0
+    assert "kill-decode" in capsys.readouterr().out
+    assert main(["chaos", "run", "no-such-scenario"]) == 2
+    assert "known: kill-decode" in capsys.readouterr().err
