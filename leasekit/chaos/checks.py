@@ -105,8 +105,13 @@ def check_lease_reclaim(lease: LeaseTimeline, timing: LeaseTiming, tick_s: float
             f"reclaimed {lease.end_s - upper:.3f} s after the bound (step gap {lease.step_gap_s})",
             bound_rel, measured_rel, lease,
         )
-    hb = "no heartbeat delivered" if lease.heartbeat_count == 0 else f"{lease.heartbeat_count} heartbeat(s)"
-    return LeaseVerdict(lease.request_id, PASS, f"reclaimed within bound, {hb}", bound_rel, measured_rel, lease)
+    if lease.heartbeat_count == 0:
+        how = "no heartbeat delivered"
+    elif lower > lease.grant_s + timing.lease_duration_s:
+        how = f"{lease.heartbeat_count} heartbeat(s); the last heartbeat set the bound"
+    else:
+        how = f"{lease.heartbeat_count} heartbeat(s); grant + L set the bound"
+    return LeaseVerdict(lease.request_id, PASS, f"reclaimed within bound, {how}", bound_rel, measured_rel, lease)
 
 
 def check_bounded_reclaim(

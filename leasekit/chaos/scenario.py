@@ -69,8 +69,9 @@ class SteadyStateSection(_Strict):
 class KillFault(_Strict):
     """``[[faults]] kind = "kill"``: signal a server's whole process group.
 
-    ``after_queued_s``: seconds after every request sits in D's queue; None means ``2 * H + 0.5``
-    (at least two heartbeat intervals, so P has seen heartbeats before D goes silent).
+    ``after_queued_s``: seconds after every request sits in D's queue; None means
+    ``(L - E) + 2 * H + 0.5``: late enough that the last delivered heartbeat, not the grant, sets
+    ``max(grant + L, last heartbeat + E)``, so the run exercises the heartbeat term of the bound.
     """
 
     kind: Literal["kill"]
@@ -128,11 +129,12 @@ class Scenario(_Strict):
         return self.workload.hold_decode_slot_s or 1.5 * float(self.lease.duration_s)
 
     def kill_after_s(self) -> float:
-        """Seconds between "all queued" and the kill (default ``2 * H + 0.5``)."""
+        """Seconds between "all queued" and the kill (default ``(L - E) + 2 * H + 0.5``)."""
         fault = self.faults[0]
         if fault.after_queued_s is not None:
             return fault.after_queued_s
-        return 2 * float(self.lease.timing().heartbeat_interval_s) + 0.5
+        t = self.lease.timing()
+        return float(t.lease_duration_s - t.extension_s) + 2 * float(t.heartbeat_interval_s) + 0.5
 
 
 def _format_error(exc: ValidationError, source: str) -> str:

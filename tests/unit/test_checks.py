@@ -74,3 +74,8 @@ def test_steady_state():
     not_served = check_steady_state(released, ["A", "B"], failed_decode, T6)
     assert not_served.verdict == FAIL and "not served" in not_served.summary
     assert check_steady_state(released, ["A", "B"], failed_decode, T6, all_served=False).verdict == PASS
+
+
+def test_reason_says_which_term_set_the_bound():
+    assert "last heartbeat set the bound" in check_lease_reclaim(lease(hbs=(1.0, 2.5), end=6.5), T6, 0.5).reason
+    assert "grant + L set the bound" in check_lease_reclaim(lease(hbs=(1.0,), end=6.0), T6, 0.5).reason
