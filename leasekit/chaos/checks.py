@@ -18,6 +18,9 @@ from leasekit.telemetry import semconv as sc
 EARLY_TOLERANCE_S = 1e-3
 """Float slack when testing "not before the deadline" (seconds)."""
 
+HEARTBEAT_IN_FLIGHT_S = 0.5
+"""A heartbeat D sent just before the fault may still be delivered this long after it (seconds)."""
+
 RECLAIM_BOUND_TEXT = "reclaim <= max(grant + L, last delivered heartbeat + E) + tick, and not before max(grant + L, last heartbeat + E)"
 
 
@@ -31,6 +34,8 @@ class LeaseVerdict:
     bound_s: float | None = None
     measured_s: float | None = None
     lease: LeaseTimeline | None = None
+    fault_s: float | None = None
+    not_before_s: float | None = None
 
     def to_json(self) -> dict:
         """JSON-ready dict: verdict, reason, bound, measured value and the lease timeline."""
@@ -39,7 +44,9 @@ class LeaseVerdict:
             "verdict": self.verdict,
             "reason": self.reason,
             "bound_after_grant_s": self.bound_s,
+            "not_before_after_grant_s": self.not_before_s,
             "reclaimed_after_grant_s": self.measured_s,
+            "fault_after_grant_s": self.fault_s,
             "lease": None if self.lease is None else self.lease.to_json(),
         }
 
@@ -72,12 +79,22 @@ def _by_request(leases: Iterable[LeaseTimeline]) -> dict[str, list[LeaseTimeline
     return grouped
 
 
-def check_lease_reclaim(lease: LeaseTimeline, timing: LeaseTiming, tick_s: float) -> LeaseVerdict:
+def check_lease_reclaim(
+    lease: LeaseTimeline, timing: LeaseTiming, tick_s: float, fault_at_s: float | None = None
+) -> LeaseVerdict:
     """Bounded and not-premature reclaim for one lease after its D went silent.
 
+    Args:
+        lease: the ended lease (P's clock).
+        timing: the lease timing the scenario runs with.
+        tick_s: allowance for P's step period (seconds).
+        fault_at_s: when D was silenced, converted to P's clock; None skips the fault-window checks.
+
     PASS: expired no earlier than ``max(grant + L, last_hb + E)`` and no later than that plus
-    ``tick_s``. FAIL: expired early or late, or ended ``aborted``. UNKNOWN: released (D read it:
-    the fault did not exercise this lease) or P ran with a different lease duration.
+    ``tick_s``. FAIL: expired early or late, or ended ``aborted``. UNKNOWN: the lease did not meet the
+    fault (it ended before ``fault_at_s``, or heartbeats kept arriving after it), it was released
+    (D read it), or P ran with a different lease duration. ``grant + L`` is P's own stamp (initial
+    deadline - L); the heartbeat and reclaim instants are measured independently of vLLM's deadline.
     """
     if abs(lease.lease_duration_s - float(timing.lease_duration_s)) > 1e-9:
         return LeaseVerdict(
@@ -88,42 +105,45 @@ def check_lease_reclaim(lease: LeaseTimeline, timing: LeaseTiming, tick_s: float
     lower = reclaim_deadline(timing, lease.grant_s, lease.last_heartbeat_s)
     upper = reclaim_bound(timing, lease.grant_s, lease.last_heartbeat_s, tick_s)
     bound_rel, measured_rel = upper - lease.grant_s, lease.end_s - lease.grant_s
+
+    def row(verdict: str, reason: str) -> LeaseVerdict:
+        return LeaseVerdict(lease.request_id, verdict, reason, bound_rel, measured_rel, lease,
+                            None if fault_at_s is None else fault_at_s - lease.grant_s, lower - lease.grant_s)
+
+    if fault_at_s is not None:
+        if lease.end_s < fault_at_s:
+            return row(UNKNOWN, f"ended {lease.outcome} {fault_at_s - lease.end_s:.3f} s before the fault: not exercised")
+        late = [t for t in lease.heartbeats_s if t > fault_at_s + max(tick_s, HEARTBEAT_IN_FLIGHT_S)]
+        if late:
+            return row(UNKNOWN, f"a heartbeat arrived {late[-1] - fault_at_s:.3f} s after the fault: D was not silenced")
     if lease.outcome == sc.OUTCOME_RELEASED:
-        return LeaseVerdict(lease.request_id, UNKNOWN, "released: D read it before the fault, bound not exercised",
-                            bound_rel, measured_rel, lease)
+        return row(UNKNOWN, "released: D read it, the bound was not exercised")
     if lease.outcome != sc.OUTCOME_EXPIRED:
-        return LeaseVerdict(lease.request_id, FAIL, f"ended {lease.outcome}, not by expiry", bound_rel, measured_rel, lease)
+        return row(FAIL, f"ended {lease.outcome}, not by expiry")
     if lease.end_s < lower - EARLY_TOLERANCE_S:
-        return LeaseVerdict(
-            lease.request_id, FAIL,
-            f"expired {lower - lease.end_s:.3f} s before max(grant + L, last heartbeat + E) (premature reclaim)",
-            bound_rel, measured_rel, lease,
-        )
+        return row(FAIL, f"expired {lower - lease.end_s:.3f} s before max(grant + L, last heartbeat + E) (premature reclaim)")
     if lease.end_s > upper:
-        return LeaseVerdict(
-            lease.request_id, FAIL,
-            f"reclaimed {lease.end_s - upper:.3f} s after the bound (step gap {lease.step_gap_s})",
-            bound_rel, measured_rel, lease,
-        )
+        return row(FAIL, f"reclaimed {lease.end_s - upper:.3f} s after the bound (step gap {lease.step_gap_s})")
     if lease.heartbeat_count == 0:
         how = "no heartbeat delivered"
     elif lower > lease.grant_s + timing.lease_duration_s:
-        how = f"{lease.heartbeat_count} heartbeat(s); the last heartbeat set the bound"
+        how = "last heartbeat + E set it"
     else:
-        how = f"{lease.heartbeat_count} heartbeat(s); grant + L set the bound"
-    return LeaseVerdict(lease.request_id, PASS, f"reclaimed within bound, {how}", bound_rel, measured_rel, lease)
+        how = "grant + L set it"
+    return row(PASS, f"in bound; {how}")
 
 
 def check_bounded_reclaim(
     leases: Iterable[LeaseTimeline], request_ids: Iterable[str], timing: LeaseTiming, tick_s: float,
-    *, waited_s: float | None = None, partial: bool = False,
+    *, fault_at_s: float | None = None, waited_s: float | None = None, partial: bool = False,
 ) -> CheckResult:
     """Invariant 1 (bounded reclaim) and 2 (no premature reclaim) over the faulted requests.
 
-    A request with no ended lease is FAIL (still pinned after the wait), or UNKNOWN when ``partial``
-    (the run was interrupted before the wait was over). The aggregate is FAIL if any
-    row fails, UNKNOWN if no lease was reclaimed by expiry after at least one heartbeat (the fault did
-    not exercise the heartbeat path), else PASS.
+    ``fault_at_s`` is the fault instant on P's clock (see :func:`check_lease_reclaim`). A request
+    with no ended lease is FAIL (still pinned after the wait), or UNKNOWN when ``partial`` (the run
+    was interrupted before the wait was over). The aggregate is FAIL if any row fails; UNKNOWN
+    unless at least one lease was open at the fault, had a heartbeat delivered before it and was
+    reclaimed in bound (otherwise the fault did not exercise the bound); else PASS.
     """
     grouped = _by_request(leases)
     rows: list[LeaseVerdict] = []
@@ -136,15 +156,21 @@ def check_bounded_reclaim(
             waited = "" if waited_s is None else f" {waited_s:.1f} s after the fault"
             rows.append(LeaseVerdict(request_id, FAIL, f"no lease end observed{waited}: blocks still pinned"))
             continue
-        rows.extend(check_lease_reclaim(lease, timing, tick_s) for lease in found)
+        rows.extend(check_lease_reclaim(lease, timing, tick_s, fault_at_s) for lease in found)
+
+    def exercised(r: LeaseVerdict) -> bool:
+        if r.verdict != PASS or r.lease is None or r.lease.last_heartbeat_s is None:
+            return False
+        return fault_at_s is None or r.lease.heartbeats_s[0] <= fault_at_s
+
     failed = [r for r in rows if r.verdict == FAIL]
-    exercised = [r for r in rows if r.verdict == PASS and r.lease is not None and r.lease.heartbeat_count > 0]
+    good = [r for r in rows if exercised(r)]
     if failed:
         verdict, summary = FAIL, f"{len(failed)}/{len(rows)} lease(s) violate the reclaim bound"
-    elif not exercised:
-        verdict, summary = UNKNOWN, "no lease was reclaimed by expiry after a heartbeat: the fault did not exercise the bound"
+    elif not good:
+        verdict, summary = UNKNOWN, "no lease open at the fault was reclaimed by expiry after a heartbeat: the fault did not exercise the bound"
     else:
-        verdict, summary = PASS, f"{len(exercised)}/{len(rows)} lease(s) reclaimed within the bound after heartbeats"
+        verdict, summary = PASS, f"{len(good)}/{len(rows)} lease(s) reclaimed within the bound after heartbeats"
     margins = [r.bound_s - r.measured_s for r in rows if r.bound_s is not None and r.measured_s is not None and r.verdict == PASS]
     return CheckResult(
         "bounded-reclaim", verdict, summary, rows,
@@ -154,6 +180,7 @@ def check_bounded_reclaim(
             "heartbeat_interval_s": timing.heartbeat_interval_s,
             "extension_s": timing.extension_s,
             "tick_s": tick_s,
+            "fault_at_monotonic_s": fault_at_s,
             "min_margin_s": min(margins) if margins else None,
         },
     )
@@ -165,9 +192,9 @@ def check_steady_state(
 ) -> CheckResult:
     """The steady-state hypothesis: without the fault, no lease expires and every request is served.
 
-    PASS when expiries <= ``expiries_allowed``, every lease ended ``released`` and (if
-    ``all_served``) every decode answered HTTP 200 with tokens. Evidence includes the longest lease
-    life, to show whether leases outlived ``L`` on heartbeats.
+    PASS when expiries <= ``expiries_allowed``, every other lease ended ``released`` and (if
+    ``all_served``) every decode answered HTTP 200 with tokens. Evidence includes the longest life
+    of a released lease, to show whether leases outlived ``L`` on heartbeats.
     """
     ids = list(request_ids)
     grouped = _by_request(leases)
@@ -187,9 +214,13 @@ def check_steady_state(
                 rows.append(LeaseVerdict(request_id, FAIL, f"ended {lease.outcome}", None, life, lease))
             else:
                 rows.append(LeaseVerdict(request_id, PASS, f"released after {life:.3f} s, {lease.heartbeat_count} heartbeat(s)", None, life, lease))
+    if 0 < expired <= expiries_allowed:
+        for r in rows:
+            if r.lease is not None and r.lease.outcome == sc.OUTCOME_EXPIRED:
+                r.verdict, r.reason = PASS, f"{r.reason} (within steady_state.expiries = {expiries_allowed})"
     served = sum(1 for r in decodes.values() if r.ok)
     not_served = [f"#{i}: HTTP {r.status} {r.error or ''}".strip() for i, r in sorted(decodes.items()) if not r.ok]
-    lives = [r.measured_s for r in rows if r.measured_s is not None]
+    lives = [r.measured_s for r in rows if r.measured_s is not None and r.lease is not None and r.lease.outcome == sc.OUTCOME_RELEASED]
     longest = max(lives) if lives else None
     problems = []
     if expired > expiries_allowed:
@@ -199,7 +230,7 @@ def check_steady_state(
     if all_served and served < len(ids):
         problems.append(f"{len(ids) - served}/{len(ids)} request(s) not served")
     verdict = FAIL if problems else PASS
-    summary = "; ".join(problems) if problems else f"{len(ids)} request(s) served, 0 expiries"
+    summary = "; ".join(problems) if problems else f"{served}/{len(ids)} request(s) served, {expired} expiries"
     return CheckResult(
         "steady-state", verdict, summary, rows,
         {

@@ -33,17 +33,18 @@ class KillFault:
         """
         if not self.server.alive():
             raise RuntimeError(f"cannot kill {self.server.spec.name}: it is not running")
-        at = time.monotonic()
-        pids = self.server.kill(self.sig)
-        survivors = self.server.pids() if self.sig == signal.SIGKILL else []
-        self.record = {
+        # Recorded (in place: callers may hold the dict) before the signal goes out, so an
+        # interrupted run still knows the fault happened.
+        self.record.clear()
+        self.record.update({
             "kind": "kill",
             "target": self.server.spec.name,
             "signal": self.sig.name,
-            "injected_monotonic_s": at,
-            "pids": pids,
-            "survivors": survivors,
-        }
+            "pids": self.server.pids(),
+            "injected_monotonic_s": time.monotonic(),
+        })
+        self.record["pids"] = self.server.kill(self.sig) or self.record["pids"]
+        self.record["survivors"] = self.server.pids() if self.sig == signal.SIGKILL else []
 
     def cleanup(self) -> None:
         """Make sure nothing of the group is left (a killed server stays down)."""

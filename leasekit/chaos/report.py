@@ -33,10 +33,13 @@ def _fmt(value: float | None) -> str:
 
 
 def reclaim_table(check: CheckResult, title: str) -> Table:
-    """One row per lease: last heartbeat, reclaim time and bound (seconds after grant), verdict."""
+    """One row per lease, times in seconds after its grant: last heartbeat, fault, earliest allowed
+    reclaim ("not before"), actual reclaim, bound, margin; then the verdict and its reason."""
     table = Table(title=title, title_justify="left")
-    for column in ("request", "blocks", "heartbeats", "last HB (s)", "reclaimed at (s)", "bound (s)", "margin (s)", "verdict"):
-        table.add_column(column, justify="left" if column in ("request", "verdict") else "right")
+    columns = ("request", "blocks", "heartbeats", "last HB", "fault", "not before", "reclaimed",
+               "bound", "margin", "verdict", "why")
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("request", "verdict", "why") else "right")
     for row in check.rows:
         lease = row.lease
         margin = None if row.bound_s is None or row.measured_s is None else row.bound_s - row.measured_s
@@ -45,10 +48,13 @@ def reclaim_table(check: CheckResult, title: str) -> Table:
             "-" if lease is None or lease.kv_blocks is None else str(lease.kv_blocks),
             "-" if lease is None else str(lease.heartbeat_count),
             "-" if lease is None else _fmt(lease.relative(lease.last_heartbeat_s)),
+            _fmt(row.fault_s),
+            _fmt(row.not_before_s),
             _fmt(row.measured_s),
             _fmt(row.bound_s),
             _fmt(margin),
             f"[{_STYLE.get(row.verdict, 'yellow')}]{row.verdict}[/]",
+            row.reason,
         )
     return table
 
@@ -74,7 +80,7 @@ def steady_state_table(check: CheckResult, title: str) -> Table:
 def make_console() -> Console:
     """A stdout console; wide enough for full request ids when not writing to a terminal."""
     probe = Console()
-    return probe if probe.is_terminal else Console(width=160)
+    return probe if probe.is_terminal else Console(width=200)
 
 
 def print_report(report: dict, checks: list[CheckResult], console: Console | None = None) -> None:
@@ -97,10 +103,14 @@ def print_report(report: dict, checks: list[CheckResult], console: Console | Non
             console.print(
                 f"  bound: {bound}; L={check.details['lease_duration_s']} s, "
                 f"H={check.details['heartbeat_interval_s']} s, E={check.details['extension_s']} s, "
-                f"tick={check.details['tick_s']} s (times in seconds after each lease's grant, P's clock)"
+                f"tick={check.details['tick_s']} s. Times are seconds after each lease's grant on P's clock; "
+                "the fault instant is converted to P's clock by the measured time-namespace offset."
             )
+    for finding in report.get("lint") or []:
+        console.print(f"[yellow]lint: {finding}[/]")
     verdict = report.get("verdict", "UNKNOWN")
+    expected = "" if report.get("as_expected") or report.get("status") != "completed" else f", expected {report.get('expected_verdict')}"
     console.print(
-        f"[{_STYLE.get(verdict, 'yellow')}]{report['scenario']}: {verdict}[/] ({report.get('status')}) "
+        f"[{_STYLE.get(verdict, 'yellow')}]{report['scenario']}: {verdict}[/] ({report.get('status')}{expected}) "
         f"- report {report.get('report_path')}"
     )

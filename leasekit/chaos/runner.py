@@ -26,7 +26,9 @@ from leasekit.chaos.leases import LeaseTimeline, read_leases
 from leasekit.chaos.report import make_console, print_report, write_json
 from leasekit.chaos.scenario import Scenario
 from leasekit.chaos.workload import QueuedDecodeLoad
+from leasekit.cluster.clocks import to_process_monotonic
 from leasekit.cluster.pair import PairSpec, PDPair
+from leasekit.lease.config import lint_timing
 
 
 def _now_iso() -> str:
@@ -34,16 +36,27 @@ def _now_iso() -> str:
 
 
 @contextmanager
-def signals_ignored() -> Iterator[None]:
-    """Ignore SIGINT/SIGTERM inside the block (teardown must finish), restoring handlers after."""
+def signals_deferred(*, raise_after: bool) -> Iterator[list[str]]:
+    """Hold SIGINT/SIGTERM until the block ends (a kill in flight, or teardown, must finish).
+
+    Yields the list of signal names received meanwhile. With ``raise_after`` a held signal is
+    re-raised as KeyboardInterrupt when the block ends; otherwise it is only reported.
+    """
+    received: list[str] = []
+
+    def _hold(signum, frame):  # noqa: ARG001
+        received.append(signal.Signals(signum).name)
+
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig in saved:
+        signal.signal(sig, _hold)
     try:
-        for sig in saved:
-            signal.signal(sig, signal.SIG_IGN)
-        yield
+        yield received
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
+    if raise_after and received:
+        raise KeyboardInterrupt(f"signal {received[0]}")
 
 
 @contextmanager
@@ -97,13 +110,20 @@ class ScenarioRun:
                  start_timeout_s: float = 300.0):
         self.scenario = scenario
         self.run_dir = Path(run_dir).resolve()
-        self.console = console or Console(stderr=True, width=None if Console(stderr=True).is_terminal else 160)
+        if console is None:
+            console = Console(stderr=True, log_path=False)
+            if not console.is_terminal:
+                console = Console(stderr=True, log_path=False, width=160)
+        self.console = console
         self.start_timeout_s = start_timeout_s
         self.timing = scenario.lease.timing()
         self.phases: list[Phase] = []
         self.pair: PDPair | None = None
         self.status = "running"
         self.error: str | None = None
+        self.interrupt_signal: str | None = None
+        self._loads: list[QueuedDecodeLoad] = []
+        self._bad_reported = 0
         self.started_at = _now_iso()
 
     # -- progress --------------------------------------------------------------------------
@@ -115,7 +135,8 @@ class ScenarioRun:
         if self.pair is None:
             return []
         leases, bad = read_leases(self.pair.span_dir)
-        if bad:
+        if bad and bad != self._bad_reported:
+            self._bad_reported = bad
             self._say(f"[yellow]{bad} unparsable span line(s) skipped[/]")
         return leases
 
@@ -132,7 +153,9 @@ class ScenarioRun:
     def _workload(self) -> QueuedDecodeLoad:
         assert self.pair is not None
         w = self.scenario.workload
-        return QueuedDecodeLoad(self.pair, w.requests, w.prompt_tokens, w.decode_tokens)
+        load = QueuedDecodeLoad(self.pair, w.requests, w.prompt_tokens, w.decode_tokens)
+        self._loads.append(load)
+        return load
 
     def _steady_state(self) -> Phase:
         phase = Phase("steady-state", started_monotonic_s=time.monotonic())
@@ -174,9 +197,11 @@ class ScenarioRun:
         time.sleep(max(0.0, load.queued_at + self.scenario.kill_after_s() - time.monotonic()))
         fault = KillFault(target, signal.Signals[fault_spec.signal])
         self._say(f"fault: {fault_spec.signal} to {target.spec.name}'s process group")
-        fault.inject()
-        phase.fault = dict(fault.record)
-        phase.fault["queued_monotonic_s"] = load.queued_at
+        phase.fault = fault.record  # filled in place by inject(), before the signal goes out
+        with signals_deferred(raise_after=True):  # a Ctrl-C now must not lose the record of the kill
+            fault.inject()
+            phase.fault["queued_monotonic_s"] = load.queued_at
+            phase.fault["at_prefill_monotonic_s"] = self._fault_on_prefill_clock(phase)
         if fault.record.get("survivors"):
             phase.notes.append(f"processes survived the kill: {fault.record['survivors']}")
         L, E = float(self.timing.lease_duration_s), float(self.timing.extension_s)
@@ -184,10 +209,22 @@ class ScenarioRun:
         self._say(f"waiting up to {wait_s:.0f} s for P to reclaim {len(phase.request_ids)} lease(s)")
         leases = self._wait_leases_ended(phase.request_ids, wait_s)
         phase.check = check_bounded_reclaim(
-            leases, phase.request_ids, self.timing, self.scenario.lease.tick_s, waited_s=wait_s
+            leases, phase.request_ids, self.timing, self.scenario.lease.tick_s,
+            fault_at_s=phase.fault["at_prefill_monotonic_s"], waited_s=wait_s,
         )
         self._say(f"fault run: {phase.check.verdict} - {phase.check.summary}")
         return phase
+
+    def _fault_on_prefill_clock(self, phase: Phase) -> float | None:
+        """The fault instant converted to P's monotonic clock by the measured namespace offset."""
+        assert self.pair is not None and self.pair.prefill.proc is not None
+        injected = phase.fault.get("injected_monotonic_s")
+        if injected is None:
+            return None
+        try:
+            return to_process_monotonic(injected, self.pair.prefill.proc.pid)
+        except ProcessLookupError:
+            return None
 
     def _partial_checks(self) -> None:
         """After an interruption: evaluate whatever leases ended so far (no waiting)."""
@@ -196,8 +233,10 @@ class ScenarioRun:
             if phase.check is not None or not phase.request_ids:
                 continue
             if phase.name == "fault" and phase.fault:
+                phase.fault.setdefault("at_prefill_monotonic_s", self._fault_on_prefill_clock(phase))
                 phase.check = check_bounded_reclaim(
-                    leases, phase.request_ids, self.timing, self.scenario.lease.tick_s, partial=True
+                    leases, phase.request_ids, self.timing, self.scenario.lease.tick_s,
+                    fault_at_s=phase.fault["at_prefill_monotonic_s"], partial=True,
                 )
             phase.notes.append("interrupted before this phase finished; evidence is partial")
 
@@ -222,6 +261,8 @@ class ScenarioRun:
             "status": self.status,
             "verdict": self.verdict(),
             "expected_verdict": s.expect.verdict,
+            "as_expected": self.status == "completed" and self.verdict() == s.expect.verdict,
+            "lint": lint_timing(self.timing),
             "error": self.error,
             "started_at": self.started_at,
             "finished_at": _now_iso(),
@@ -256,6 +297,8 @@ class ScenarioRun:
                     decode_max_num_seqs=s.topology.decode_max_num_seqs,
                 )
                 self.pair = PDPair(spec, self.run_dir, start_timeout_s=self.start_timeout_s)
+                for finding in lint_timing(self.timing):
+                    self._say(f"[yellow]lint: {finding}[/]")
                 self._say(
                     f"starting P ({s.topology.prefill_connector}) and D ({s.topology.decode_connector}) "
                     f"with L={self.timing.lease_duration_s} s (engines take 20-60 s); logs in {self.run_dir / 'logs'}"
@@ -267,23 +310,30 @@ class ScenarioRun:
                 self.status = "completed"
         except KeyboardInterrupt as exc:
             self.status = "interrupted"
-            self.error = f"interrupted ({str(exc) or 'SIGINT'})"
+            self.interrupt_signal = "SIGTERM" if "SIGTERM" in str(exc) else "SIGINT"
+            self.error = f"interrupted ({self.interrupt_signal})"
         except Exception as exc:  # noqa: BLE001 - every failure still gets a report and a teardown
             self.status = "error"
             self.error = f"{type(exc).__name__}: {exc}"
             self.console.print(traceback.format_exc(), markup=False, highlight=False)
         finally:
-            with signals_ignored():
+            with signals_deferred(raise_after=False):
                 if self.status != "completed":
                     try:
                         self._partial_checks()
                     except Exception as exc:  # noqa: BLE001
                         self.error = f"{self.error}; partial evidence unreadable: {exc}"
+                for load in self._loads:
+                    load.release_slot()
                 if self.pair is not None:
-                    self._say("tearing down the pair")
+                    self._say("tearing down the pair (up to 10 s)")
                     self.pair.stop()
                 report = self.report()
-                write_json(self.run_dir / "report.json", report)
+                try:
+                    write_json(self.run_dir / "report.json", report)
+                except OSError as exc:
+                    self.error = f"{self.error + '; ' if self.error else ''}could not write report.json: {exc}"
+                    report["error"] = self.error
         print_report(report, [p.check for p in self.phases if p.check is not None], make_console())
         if self.error:
             self.console.print(f"[red]{self.error}[/]")

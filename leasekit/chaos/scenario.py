@@ -23,7 +23,8 @@ class ScenarioError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: no silent coercion ("6" -> 6, true -> 1.0); an int is still accepted for a float.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 class LeaseSection(_Strict):
@@ -97,13 +98,16 @@ class Scenario(_Strict):
     topology: TopologySection = TopologySection()
     workload: WorkloadSection = WorkloadSection()
     steady_state: SteadyStateSection = SteadyStateSection()
-    faults: list[KillFault] = Field(min_length=1)
+    faults: list[KillFault] = Field(min_length=1, max_length=1)
     expect: ExpectSection = ExpectSection()
 
     @model_validator(mode="after")
-    def _one_fault(self) -> "Scenario":
-        if len(self.faults) != 1:
-            raise ValueError("exactly one [[faults]] entry is supported")
+    def _measurable(self) -> "Scenario":
+        if self.expect.bound == "reclaim" and self.topology.prefill_connector != "leasekit":
+            raise ValueError(
+                "topology.prefill_connector = 'stock': a stock P emits no lease spans, so the reclaim "
+                "bound cannot be measured; use 'leasekit' on P (D may run 'stock')"
+            )
         return self
 
     def with_overrides(self, *, lease_duration_s: float | None = None, tick_s: float | None = None,
@@ -122,7 +126,7 @@ class Scenario(_Strict):
             data["topology"]["prefill_connector"] = prefill_connector
         if decode_connector is not None:
             data["topology"]["decode_connector"] = decode_connector
-        return _validate(data, "command-line overrides")
+        return _validate(data, "command-line overrides (--lease-duration sets lease.duration_s, --tick lease.tick_s)")
 
     def hold_decode_slot_s(self) -> float:
         """Seconds D's slot is held in the steady-state run (default ``1.5 * L``)."""
@@ -137,12 +141,49 @@ class Scenario(_Strict):
         return float(t.lease_duration_s - t.extension_s) + 2 * float(t.heartbeat_interval_s) + 0.5
 
 
+def _allowed_range(loc: tuple) -> str | None:
+    """"a < x <= b" for the numeric field at ``loc`` (from its Field constraints), else None."""
+    model: type[BaseModel] | None = Scenario
+    info = None
+    for part in loc:
+        if isinstance(part, int) or model is None:
+            continue
+        info = model.model_fields.get(str(part))
+        if info is None:
+            return None
+        annotation = info.annotation
+        args = getattr(annotation, "__args__", ())
+        candidates = [annotation, *args]
+        model = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        if model is None:
+            for arg in args:  # list[KillFault]
+                model = model or next((c for c in getattr(arg, "__args__", (arg,)) if isinstance(c, type) and issubclass(c, BaseModel)), None)
+    if info is None:
+        return None
+    low = high = ""
+    for item in info.metadata:
+        if getattr(item, "gt", None) is not None:
+            low = f"{item.gt} < "
+        if getattr(item, "ge", None) is not None:
+            low = f"{item.ge} <= "
+        if getattr(item, "lt", None) is not None:
+            high = f" < {item.lt}"
+        if getattr(item, "le", None) is not None:
+            high = f" <= {item.le}"
+    return f"{low}value{high}" if low or high else None
+
+
 def _format_error(exc: ValidationError, source: str) -> str:
     lines = [f"invalid scenario {source}:"]
     for err in exc.errors():
         field = ".".join(str(part) for part in err["loc"]) or "(top level)"
-        value = err.get("input")
-        lines.append(f"  {field}: {err['msg']} (got {value!r})")
+        message = err["msg"]
+        if err["type"] != "missing" and not isinstance(err.get("input"), (dict, list)):
+            message += f" (got {err.get('input')!r})"
+        allowed = _allowed_range(tuple(err["loc"]))
+        if allowed and err["type"] in {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "finite_number", "float_type", "int_type"}:
+            message += f"; allowed: {allowed}"
+        lines.append(f"  {field}: {message}")
     return "\n".join(lines)
 
 
@@ -164,6 +205,10 @@ def load_scenario(path: str | os.PathLike[str]) -> Scenario:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ScenarioError(f"scenario file {path} not found") from None
+    except UnicodeDecodeError:
+        raise ScenarioError(f"scenario file {path} is not UTF-8 text") from None
+    except OSError as exc:
+        raise ScenarioError(f"cannot read scenario file {path}: {exc.strerror or exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ScenarioError(f"scenario file {path} is not valid TOML: {exc}") from None
     return _validate(data, str(path))

@@ -180,12 +180,14 @@ class PDPair:
         self.warm_up()
         return self.decode
 
-    def stop(self) -> None:
-        """Stop both servers (SIGTERM, then SIGKILL); idempotent."""
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Stop both servers together (SIGTERM, SIGKILL after ``grace_s`` seconds); idempotent."""
         if self.router is not None:
             self.router.close()
         for server in (self.decode, self.prefill):
-            server.stop()
+            server.begin_stop()
+        for server in (self.decode, self.prefill):
+            server.stop(grace_s=grace_s)
 
     def __enter__(self) -> "PDPair":
         return self.start()

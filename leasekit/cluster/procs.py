@@ -18,14 +18,17 @@ import psutil
 _PR_SET_PDEATHSIG = 1
 
 
-def child_preexec(cpu: int | None) -> Callable[[], None]:
-    """A ``preexec_fn``: pin the child to ``cpu`` (if given) and ask the kernel to SIGKILL it if
-    the launching thread dies (``prctl(PR_SET_PDEATHSIG)``), so a crashed runner orphans nothing.
+def child_preexec(cpu: int | None, *, die_with_parent: bool = True) -> Callable[[], None]:
+    """A ``preexec_fn``: pin the child to ``cpu`` (if given) and, if ``die_with_parent``, ask the
+    kernel to SIGKILL it when the launching *thread* dies (``prctl(PR_SET_PDEATHSIG)``), so a crashed
+    runner orphans nothing. Only ask for that from a long-lived thread (the main thread).
     """
 
     def _preexec() -> None:
         if cpu is not None:
             os.sched_setaffinity(0, {cpu})
+        if not die_with_parent:
+            return
         try:
             libc = ctypes.CDLL("libc.so.6", use_errno=True)
             libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)

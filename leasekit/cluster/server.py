@@ -178,7 +178,7 @@ class VllmServer:
             stdin=subprocess.DEVNULL,
             start_new_session=True,
             # PDEATHSIG fires when the launching *thread* exits: only ask for it from the main thread.
-            preexec_fn=procs.child_preexec(self.spec.cpu) if in_main else procs.child_preexec(None),
+            preexec_fn=procs.child_preexec(self.spec.cpu, die_with_parent=in_main),
             cwd=self.run_dir,
         )
         self.started_at = time.monotonic()
@@ -239,6 +239,11 @@ class VllmServer:
             procs.kill_group(self.proc.pid, self.proc.pid)
             self.proc.wait(timeout=10)
         return pids
+
+    def begin_stop(self) -> None:
+        """Send SIGTERM to the whole group without waiting (see :meth:`stop`)."""
+        if self.proc is not None:
+            procs.signal_group(self.proc.pid, signal.SIGTERM)
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM the group, SIGKILL after ``grace_s`` seconds; idempotent."""

@@ -6,11 +6,12 @@ from leasekit.lease.bounds import (
     reclaim_deadline,
     safe_stall_s,
 )
-from leasekit.lease.config import LeaseConfigError, LeaseTiming
+from leasekit.lease.config import LeaseConfigError, LeaseTiming, lint_timing
 
 __all__ = [
     "LeaseConfigError",
     "LeaseTiming",
+    "lint_timing",
     "loss_budget",
     "reclaim_bound",
     "reclaim_deadline",

@@ -67,8 +67,10 @@ def reclaim_bound(
 def safe_stall_s(timing: LeaseTiming) -> float:
     """The longest D stall (seconds) that can never expire a lease: ``E - H``, floored at 0.
 
-    A stall of this length or longer may expire a lease whose last heartbeat went out just before
-    the stall began. Returns 0.0 when ``E <= H`` (no stall is safe: lint that config).
+    Worst case: the stall begins just before the next heartbeat was due, ``H`` after the last one
+    delivered; the lease's deadline is ``last + E``, so a stall of ``E - H`` or longer may expire it
+    (a stall that begins right after a heartbeat survives up to ``E``). Returns 0.0 when ``E <= H``
+    (no stall is safe: lint that config).
     """
     return float(max(0.0, timing.extension_s - timing.heartbeat_interval_s))
 

@@ -36,6 +36,30 @@ def _check_duration(lease_duration_s: object) -> float | int:
     return lease_duration_s
 
 
+def lint_timing(timing: "LeaseTiming") -> list[str]:
+    """Findings for the config edges of DESIGN.md ("Bounds"), each with its fix; [] when clean.
+
+    - ``H == 0`` (``L < 6``): D heartbeats every engine step.
+    - ``E == 0`` (``L < 2``): heartbeats extend nothing; every lease expires at ``grant + L``.
+    - ``0 < E <= H``: a lease can expire between two delivered heartbeats.
+    """
+    L, H, E = timing.lease_duration_s, timing.heartbeat_interval_s, timing.extension_s
+    findings = []
+    if E <= 0:
+        findings.append(
+            f"kv_lease_duration={L} < 2 gives extension E={E}: heartbeats do nothing and every lease "
+            "expires at grant + L even while D is healthy; fix: kv_lease_duration >= 6"
+        )
+    elif E <= H:
+        findings.append(f"extension E={E} <= heartbeat interval H={H}: leases can expire between heartbeats; fix: kv_lease_duration >= 6")
+    if H <= 0:
+        findings.append(
+            f"kv_lease_duration={L} < 6 gives heartbeat interval H={H}: D sends a heartbeat batch every "
+            "engine step; fix: kv_lease_duration >= 6"
+        )
+    return findings
+
+
 @dataclass(frozen=True)
 class LeaseTiming:
     """The three lease numbers, all in seconds.

@@ -108,6 +108,7 @@ class SpanReadResult:
 
     spans: list[SpanRecord] = field(default_factory=list)
     bad_lines: int = 0
+    incomplete_tails: int = 0
     files: list[str] = field(default_factory=list)
 
 
@@ -172,7 +173,8 @@ def parse_line(line: str, source: str = "") -> list[SpanRecord]:
 def read_span_files(paths: Iterable[str | os.PathLike[str]]) -> SpanReadResult:
     """Read every span from OTLP/JSON-lines files; unparsable lines are counted, not raised.
 
-    Missing files are skipped (a server that never granted a lease writes none).
+    A last line without its newline is being written (or was torn by a kill): it is skipped and
+    counted in ``incomplete_tails``, not in ``bad_lines``. Missing files are skipped.
     """
     result = SpanReadResult()
     for path in sorted(str(p) for p in paths):
@@ -181,7 +183,10 @@ def read_span_files(paths: Iterable[str | os.PathLike[str]]) -> SpanReadResult:
         except FileNotFoundError:
             continue
         result.files.append(path)
-        for line in text.splitlines():
+        lines = text.split("\n")
+        if lines and lines[-1].strip():
+            result.incomplete_tails += 1
+        for line in lines[:-1]:
             if not line.strip():
                 continue
             try:

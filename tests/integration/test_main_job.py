@@ -36,7 +36,9 @@ def test_kill_decode_passes_with_spans_inside_the_bound(vllm_available, tmp_path
     done = subprocess.run([LEASEKIT, "chaos", "run", "kill-decode", "--run-dir", str(run_dir)],
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "kill-decode: PASS" in done.stdout and "reclaimed at (s)" in done.stdout and "bound (s)" in done.stdout
+    assert "kill-decode: PASS" in done.stdout
+    for column in ("last HB", "fault", "not before", "reclaimed", "bound", "margin"):
+        assert column in done.stdout
     report = json.loads((run_dir / "report.json").read_text())
     assert report["status"] == "completed" and report["verdict"] == "PASS"
     steady, fault = report["phases"]
@@ -57,7 +59,9 @@ def test_kill_decode_passes_with_spans_inside_the_bound(vllm_available, tmp_path
     assert not processes_mentioning(str(run_dir.resolve()))
 
 
-def test_sigint_mid_scenario_tears_down_and_reports_interrupted(vllm_available, tmp_path):
+@pytest.mark.parametrize("moment, delay_s", [("steady state:", 3.0), ("fault:", 0.3)])
+def test_sigint_mid_scenario_tears_down_and_reports_interrupted(vllm_available, tmp_path, moment, delay_s):
+    """Ctrl-C while leases are held (steady state), and right after the kill went out (fault)."""
     run_dir = (tmp_path / "run").resolve()
     proc = subprocess.Popen([LEASEKIT, "chaos", "run", "kill-decode", "--run-dir", str(run_dir)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -67,15 +71,15 @@ def test_sigint_mid_scenario_tears_down_and_reports_interrupted(vllm_available, 
     def read_progress():
         for line in proc.stderr:
             seen.append(line)
-            if "steady state:" in line:
+            if moment in line:
                 ready.set()
 
     threading.Thread(target=read_progress, daemon=True).start()
     try:
         assert ready.wait(600), "".join(seen)[-3000:]
-        time.sleep(3)  # inside the steady-state run: requests queued on D, leases held on P
         servers = processes_mentioning(str(run_dir))
-        assert len(servers) >= 6  # API server, engine core and worker of P and of D
+        assert len(servers) >= 3  # API server, engine core and worker of P (and of D before the kill)
+        time.sleep(delay_s)
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=180)
     finally:
@@ -84,8 +88,11 @@ def test_sigint_mid_scenario_tears_down_and_reports_interrupted(vllm_available, 
     assert proc.returncode == 130, out[-2000:]
     report = json.loads((run_dir / "report.json").read_text())
     assert report["status"] == "interrupted" and report["verdict"] == "UNKNOWN"
-    assert report["phases"][0]["name"] == "steady-state" and report["phases"][0]["request_ids"]
-    assert "interrupted" in " ".join(report["phases"][0]["notes"])
+    last = report["phases"][-1]
+    assert last["request_ids"] and "interrupted" in " ".join(last["notes"])
+    if moment == "fault:":  # the kill had been sent: its record must survive the interruption
+        assert last["name"] == "fault" and last["fault"]["signal"] == "SIGKILL"
+        assert last["fault"]["injected_monotonic_s"] is not None
     psutil.wait_procs(servers, timeout=10)
     assert not [p for p in servers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not processes_mentioning(str(run_dir))

@@ -24,8 +24,8 @@ def lease(rid="R", *, outcome="expired", hbs=(1.0, 2.0), end=6.5, L=6.0, grant=1
 @pytest.mark.parametrize(
     "hbs, end, verdict, why",
     [
-        ((1.0, 2.5), 6.5, PASS, "within bound"),  # deadline max(6, 6.5) = 6.5
-        ((1.0, 2.5), 7.0, PASS, "within bound"),  # deadline + 0.5 tick
+        ((1.0, 2.5), 6.5, PASS, "in bound"),  # deadline max(6, 6.5) = 6.5
+        ((1.0, 2.5), 7.0, PASS, "in bound"),  # deadline + 0.5 tick
         ((1.0, 2.5), 7.01, FAIL, "after the bound"),
         ((1.0, 2.5), 6.2, FAIL, "premature"),  # before last heartbeat + E
         ((), 5.9, FAIL, "premature"),  # before grant + L
@@ -77,5 +77,28 @@ def test_steady_state():
 
 
 def test_reason_says_which_term_set_the_bound():
-    assert "last heartbeat set the bound" in check_lease_reclaim(lease(hbs=(1.0, 2.5), end=6.5), T6, 0.5).reason
-    assert "grant + L set the bound" in check_lease_reclaim(lease(hbs=(1.0,), end=6.0), T6, 0.5).reason
+    assert "last heartbeat + E set it" in check_lease_reclaim(lease(hbs=(1.0, 2.5), end=6.5), T6, 0.5).reason
+    assert "grant + L set it" in check_lease_reclaim(lease(hbs=(1.0,), end=6.0), T6, 0.5).reason
+
+
+def test_fault_window_rules():
+    fault = 100.0 + 4.5  # D killed 4.5 s after the grant
+    inside = lease("A", hbs=(1.0, 2.0, 4.2), end=8.2)
+    row = check_lease_reclaim(inside, T6, 0.5, fault_at_s=fault)
+    assert row.verdict == PASS and row.fault_s == pytest.approx(4.5) and row.not_before_s == pytest.approx(8.2)
+    ended_before = lease("B", hbs=(), end=1.0, outcome="expired")  # L=1-style expiry while D was alive
+    assert check_lease_reclaim(ended_before, T6, 0.5, fault_at_s=fault).verdict in (UNKNOWN, FAIL)
+    assert "before the fault" in check_lease_reclaim(lease("B", hbs=(), end=6.0), T6, 0.5, fault_at_s=106.5).reason
+    still_beating = lease("C", hbs=(1.0, 4.0, 6.0), end=10.0)  # a heartbeat 1.5 s after the "kill"
+    row = check_lease_reclaim(still_beating, T6, 0.5, fault_at_s=fault)
+    assert row.verdict == UNKNOWN and "not silenced" in row.reason
+
+
+def test_leases_that_ended_before_the_fault_never_make_a_pass():
+    # the L=1 trap: every lease expired at grant + L while D was alive, then D was killed
+    early = [lease(r, hbs=(), end=6.0) for r in "ABCD"]
+    result = check_bounded_reclaim(early, list("ABCD"), T6, 0.5, fault_at_s=100.0 + 7.0)
+    assert result.verdict == UNKNOWN
+    # heartbeats that all arrive after the fault do not count as "exercised" either
+    late_only = [lease("A", hbs=(4.0,), end=8.0)]
+    assert check_bounded_reclaim(late_only, ["A"], T6, 0.5, fault_at_s=100.0 + 3.9).verdict == UNKNOWN

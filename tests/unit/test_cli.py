@@ -24,7 +24,7 @@ def test_bad_lease_duration_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as info:
         main(["bounds", "--lease-duration", "-3"])
     assert info.value.code == 2
-    assert "must be > 0" in capsys.readouterr().err
+    assert "must satisfy 0 < seconds <= 3600" in capsys.readouterr().err
 
 
 def test_chaos_list_and_unknown_scenario(capsys):
@@ -32,3 +32,27 @@ def test_chaos_list_and_unknown_scenario(capsys):
     assert "kill-decode" in capsys.readouterr().out
     assert main(["chaos", "run", "no-such-scenario"]) == 2
     assert "known: kill-decode" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["bounds", "--tick", "nan"], ["bounds", "--tick", "-1"], ["chaos", "run", "kill-decode", "--start-timeout", "-5"]])
+def test_out_of_range_seconds_are_usage_errors(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2 and "must satisfy" in capsys.readouterr().err
+
+
+def test_unusable_inputs_are_refused_before_anything_starts(tmp_path, capsys):
+    assert main(["chaos", "run", "kill-decode", "--run-dir", "/dev/null/x"]) == 2
+    assert "not a writable directory" in capsys.readouterr().err
+    assert main(["chaos", "run", "kill-decode", "--prefill-connector", "stock"]) == 2
+    assert "stock P emits no lease spans" in capsys.readouterr().err
+    binary = tmp_path / "b.toml"
+    binary.write_bytes(b"\x00\xff\xfe")
+    assert main(["chaos", "run", str(binary)]) == 2
+    assert "not UTF-8" in capsys.readouterr().err
+
+
+def test_bounds_lints_the_config_edges(capsys):
+    assert main(["bounds", "--lease-duration", "1", "-o", "json"]) == 0
+    lint = json.loads(capsys.readouterr().out)["lint"]
+    assert any("heartbeats do nothing" in f for f in lint) and any("every engine step" in f for f in lint)

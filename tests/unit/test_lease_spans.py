@@ -88,11 +88,11 @@ def test_span_file_round_trip_into_lease_timelines(tmp_path):
     rec.release("B", now=5.0)
     rec.expire("A", now=46.2)
     exporter.shutdown()
-    # a torn last line (process killed mid-write) is counted, not fatal
+    # a corrupt line is counted; a torn last line (killed or still writing) is skipped, not fatal
     with open(tmp_path / "spans" / "p.jsonl", "a") as f:
-        f.write('{"resourceSpans": [')
+        f.write('{"resourceSpans": 7}\nnot json\n{"resourceSpans": [')
     result = read_span_dir(tmp_path / "spans")
-    assert result.bad_lines == 1
+    assert result.bad_lines == 2 and result.incomplete_tails == 1
     leases = {t.request_id: t for t in lease_timelines(result.spans)}
     assert set(leases) == {"A", "B"}
     a, b = leases["A"], leases["B"]

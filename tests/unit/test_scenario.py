@@ -75,3 +75,19 @@ def test_overrides_are_validated():
     assert s.lease.timing().extension_s == 8 and s.topology.decode_connector == "stock"
     with pytest.raises(ScenarioError, match="lease.duration_s"):
         find_scenario("kill-decode").with_overrides(lease_duration_s=0)
+
+
+@pytest.mark.parametrize("extra, field", [
+    ("[lease]\nduration_s = true", "lease.duration_s"),
+    ("[lease]\nduration_s = '6'", "lease.duration_s"),
+    ("[workload]\nrequests = 4.0", "workload.requests"),
+    ("[steady_state]\nall_served = 'yes'", "steady_state.all_served"),
+])
+def test_no_silent_type_coercion(tmp_path, extra, field):
+    with pytest.raises(ScenarioError, match=field.replace(".", r"\.")):
+        load_scenario(write(tmp_path, GOOD + extra))
+
+
+def test_errors_give_both_ends_of_the_range(tmp_path):
+    with pytest.raises(ScenarioError, match=r"allowed: 0 <= value <= 60"):
+        load_scenario(write(tmp_path, GOOD + "[lease]\ntick_s = nan"))
