@@ -1,18 +1,54 @@
-"""Lease timing derived from ``kv_lease_duration`` exactly as vLLM derives it.
+"""Lease config: timing derived from ``kv_lease_duration`` exactly as vLLM derives it, parsing and lint.
 
 Source: vllm 0.32.0 ``distributed/kv_transfer/kv_connector/v1/nixl/base_scheduler.py``
 (``self._heartbeat_interval = self._kv_lease_duration // 6``) and ``base_worker.py``
 (``self._lease_extension = kv_lease_duration * 2 // 3``). Python floor division is kept as is:
 an int ``L`` gives int ``H`` and ``E``; a float ``L`` gives float ``H`` and ``E`` (``7.5 // 6 == 1.0``).
+:class:`LeaseConfig` and :func:`lint_kv_transfer_config` read the ``--kv-transfer-config`` JSON as
+vLLM does (``kv_connector_extra_config.get(key, default)``, ``vllm/config/kv_transfer.py``).
 """
 
 from __future__ import annotations
 
+import copy
+import json
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+from leasekit.lease.clock import KV_BLOCKS_EXPIRY_SAFETY_MARGIN_S as _TURN2_MARGIN_S
 
 DEFAULT_LEASE_DURATION_S = 30
 """vLLM's default ``kv_lease_duration`` in seconds (``get_from_extra_config(..., 30)``)."""
+
+DEFAULT_DECODER_KV_BLOCKS_TTL_S = 480
+"""vLLM's default ``decoder_kv_blocks_ttl`` in seconds (``nixl/base_scheduler.py``): how long D keeps
+blocks cached for a turn-2 readback (bidirectional mode), with no heartbeat."""
+
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+"""The ``kv_role`` values vLLM accepts (``vllm/config/kv_transfer.py: KVRole``)."""
+
+
+@dataclass(frozen=True)
+class LintFinding:
+    """One problem found in a lease config.
+
+    Attributes:
+        field: dotted path of the offending setting, e.g. ``kv_connector_extra_config.kv_lease_duration``
+            (``kv_transfer_config`` for the document as a whole).
+        severity: ``"error"`` (vLLM refuses or crashes, or the lease cannot work) or ``"warning"``.
+        message: what is wrong and what it does to the lease.
+        fix: what to set instead.
+    """
+
+    field: str
+    severity: Literal["error", "warning"]
+    message: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.message}; fix: {self.fix}"
 
 
 class LeaseConfigError(ValueError):
@@ -36,28 +72,36 @@ def _check_duration(lease_duration_s: object) -> float | int:
     return lease_duration_s
 
 
-def lint_timing(timing: "LeaseTiming") -> list[str]:
+def lint_timing_findings(timing: "LeaseTiming", *, field: str = "kv_lease_duration") -> list[LintFinding]:
     """Findings for the config edges of DESIGN.md ("Bounds"), each with its fix; [] when clean.
 
-    - ``H == 0`` (``L < 6``): D heartbeats every engine step.
-    - ``E == 0`` (``L < 2``): heartbeats extend nothing; every lease expires at ``grant + L``.
-    - ``0 < E <= H``: a lease can expire between two delivered heartbeats.
+    - ``E == 0`` (``L < 2``), error: heartbeats extend nothing; every lease expires at ``grant + L``.
+    - ``0 < E <= H``, error: a lease can expire between two delivered heartbeats.
+    - ``H == 0`` (``L < 6``), warning: D heartbeats every engine step.
+
+    ``field`` is the name the findings carry (e.g. ``kv_connector_extra_config.kv_lease_duration``).
+    Sources: vllm ``nixl/base_scheduler.py`` (``H = L // 6``), ``nixl/base_worker.py`` (``E = L * 2 // 3``).
     """
     L, H, E = timing.lease_duration_s, timing.heartbeat_interval_s, timing.extension_s
+    fix = "kv_lease_duration >= 6"
     findings = []
     if E <= 0:
-        findings.append(
+        findings.append(LintFinding(field, "error", (
             f"kv_lease_duration={L} < 2 gives extension E={E}: heartbeats do nothing and every lease "
-            "expires at grant + L even while D is healthy; fix: kv_lease_duration >= 6"
-        )
+            "expires at grant + L even while D is healthy"), fix))
     elif E <= H:
-        findings.append(f"extension E={E} <= heartbeat interval H={H}: leases can expire between heartbeats; fix: kv_lease_duration >= 6")
+        findings.append(LintFinding(field, "error", (
+            f"extension E={E} <= heartbeat interval H={H}: leases can expire between heartbeats"), fix))
     if H <= 0:
-        findings.append(
+        findings.append(LintFinding(field, "warning", (
             f"kv_lease_duration={L} < 6 gives heartbeat interval H={H}: D sends a heartbeat batch every "
-            "engine step; fix: kv_lease_duration >= 6"
-        )
+            "engine step"), fix))
     return findings
+
+
+def lint_timing(timing: "LeaseTiming") -> list[str]:
+    """:func:`lint_timing_findings` as ``"<message>; fix: <fix>"`` strings; [] when clean."""
+    return [str(finding) for finding in lint_timing_findings(timing)]
 
 
 @dataclass(frozen=True)
@@ -86,3 +130,144 @@ class LeaseTiming:
         """
         L = _check_duration(lease_duration_s)
         return cls(lease_duration_s=L, heartbeat_interval_s=L // 6, extension_s=L * 2 // 3)
+
+
+_ROOT = "kv_transfer_config"
+_EXTRA = "kv_connector_extra_config"
+_SECONDS_FIELDS = {
+    "kv_lease_duration": (DEFAULT_LEASE_DURATION_S, "P frees every lease at its next step, before D can read"),
+    "decoder_kv_blocks_ttl": (DEFAULT_DECODER_KV_BLOCKS_TTL_S, "D frees its cached blocks at once: no turn-2 readback"),
+}
+
+
+def _load(config: object) -> tuple[Mapping | None, LintFinding | None]:
+    """The config document (its extra config checked to be a mapping), or the finding that stops parsing."""
+    fix = 'pass a JSON object, e.g. \'{"kv_connector": "NixlConnector", "kv_role": "kv_producer"}\''
+    doc = config
+    if isinstance(config, (str, bytes, bytearray)):
+        try:
+            doc = json.loads(config)
+        except (ValueError, RecursionError) as exc:
+            return None, LintFinding(_ROOT, "error", f"{_ROOT} is not valid JSON ({exc})", fix)
+    if not isinstance(doc, Mapping):
+        return None, LintFinding(_ROOT, "error", f"{_ROOT} must be a JSON object, got {type(doc).__name__}", fix)
+    extra = doc.get(_EXTRA, {})
+    if not isinstance(extra, Mapping):
+        return None, LintFinding(
+            _EXTRA, "error", f"{_EXTRA} must be a JSON object, got {type(extra).__name__}",
+            f'"{_EXTRA}": {{"kv_lease_duration": {DEFAULT_LEASE_DURATION_S}}} (or leave it out)')
+    return doc, None
+
+
+def _seconds_finding(name: str, value: object) -> LintFinding | None:
+    """The error for an extra-config value vLLM cannot use as seconds (missing keys are defaulted)."""
+    default, at_zero = _SECONDS_FIELDS[name]
+    field, fix = f"{_EXTRA}.{name}", f"set a whole number of seconds > 0, e.g. {default} (vLLM's default)"
+    shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return LintFinding(field, "error", f"{name}={shown} ({type(value).__name__}) is not a number of "
+                           "seconds: vLLM fails on it at startup or at the first request", fix)
+    if not math.isfinite(value):
+        return LintFinding(field, "error", f"{name}={value!r} is not finite: deadlines derived from it "
+                           "are never reached, so the blocks are never freed", fix)
+    if value <= 0:
+        return LintFinding(field, "error", f"{name}={value!r} <= 0: {at_zero}", fix)
+    return None
+
+
+def _extra_seconds(doc: Mapping, name: str) -> object:
+    # vLLM: kv_connector_extra_config.get(key, default); an explicit null is None, not the default.
+    return doc.get(_EXTRA, {}).get(name, _SECONDS_FIELDS[name][0])
+
+
+def _lint(config: object) -> list[LintFinding]:
+    doc, stop = _load(config)
+    if stop is not None:
+        return [stop]
+    role, findings = doc.get("kv_role"), []
+    role_fix = "set kv_role to kv_producer on P (prefill) and kv_consumer on D (decode)"
+    if role is None or role not in KV_ROLES:
+        what = "is missing: vLLM refuses a kv_connector without one" if role is None else f"is not one of {KV_ROLES}"
+        findings.append(LintFinding("kv_role", "error", f"kv_role={role!r} {what}", role_fix))
+    elif role == "kv_both":
+        findings.append(LintFinding("kv_role", "warning", "kv_role='kv_both' is deprecated for NixlConnector", role_fix))
+    L, ttl = (_extra_seconds(doc, name) for name in _SECONDS_FIELDS)
+    bad_l, bad_ttl = (_seconds_finding(name, v) for name, v in zip(_SECONDS_FIELDS, (L, ttl)))
+    if bad_l is not None:
+        findings.append(bad_l)
+    else:
+        timing = LeaseTiming.from_lease_duration(L)
+        if isinstance(L, float):
+            findings.append(LintFinding(
+                f"{_EXTRA}.kv_lease_duration", "warning",
+                f"kv_lease_duration={L!r} is a float: vLLM's floor division gives float "
+                f"H={timing.heartbeat_interval_s!r} and E={timing.extension_s!r}",
+                f"use a whole number of seconds, e.g. {max(6, round(L))}"))
+        findings += lint_timing_findings(timing, field=f"{_EXTRA}.kv_lease_duration")
+    if bad_ttl is not None:
+        findings.append(bad_ttl)
+    elif ttl <= _TURN2_MARGIN_S:
+        findings.append(LintFinding(
+            f"{_EXTRA}.decoder_kv_blocks_ttl", "warning",
+            f"decoder_kv_blocks_ttl={ttl!r} <= P's {_TURN2_MARGIN_S} s safety margin: with "
+            "bidirectional_kv_xfer P declines every turn-2 read", f"set it well above {_TURN2_MARGIN_S}, e.g. 480"))
+    return findings
+
+
+def lint_kv_transfer_config(config: str | Mapping) -> list[LintFinding]:
+    """Lint the JSON users pass to vLLM's ``--kv-transfer-config`` (or its parsed mapping); never raises.
+
+    Findings, each naming its field and fix: invalid JSON or a non-object; ``kv_role`` missing or
+    unknown (error; allowed :data:`KV_ROLES`) or ``kv_both`` (warning: deprecated,
+    ``nixl/connector.py``); ``kv_connector_extra_config.kv_lease_duration`` and ``.decoder_kv_blocks_ttl``
+    non-numeric (bool and null included), nan, inf, or <= 0 (errors); a float lease duration
+    (warning); the timing edges of :func:`lint_timing_findings`; a ``decoder_kv_blocks_ttl`` within
+    the 5 s turn-2 margin (``nixl/pull_worker.py``, warning). Missing values take vLLM's defaults.
+
+    Returns:
+        The findings (document, ``kv_role``, lease duration, TTL, in that order); [] when clean.
+    """
+    try:
+        return _lint(config)
+    except Exception as exc:  # a user Mapping may raise anything; linting must not
+        return [LintFinding(_ROOT, "error", f"{_ROOT} could not be read: {type(exc).__name__}: {exc}",
+                            "pass a JSON string or a plain dict")]
+
+
+@dataclass(frozen=True)
+class LeaseConfig:
+    """The lease settings of one vLLM server, as its NixlConnector reads them.
+
+    Attributes:
+        timing: ``L``, ``H``, ``E`` from ``kv_connector_extra_config.kv_lease_duration`` (default 30 s).
+        decoder_kv_blocks_ttl_s: TTL in seconds of blocks D caches for a turn-2 readback
+            (``kv_connector_extra_config.decoder_kv_blocks_ttl``, default 480; ``nixl/base_scheduler.py``).
+        source: a copy of the whole parsed ``--kv-transfer-config`` (excluded from ``==`` and hash).
+    """
+
+    timing: LeaseTiming
+    decoder_kv_blocks_ttl_s: float = DEFAULT_DECODER_KV_BLOCKS_TTL_S
+    source: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def from_kv_transfer_config(cls, config: str | Mapping) -> "LeaseConfig":
+        """Parse ``--kv-transfer-config`` JSON (or its mapping) as vLLM does; missing values default.
+
+        Only what the lease needs is checked here (``kv_role`` is not: use
+        :func:`lint_kv_transfer_config` for every finding).
+
+        Raises:
+            LeaseConfigError: naming the field, for invalid JSON, a non-object document or extra
+                config, or a ``kv_lease_duration``/``decoder_kv_blocks_ttl`` that is not a finite
+                number > 0 (bool and null are not numbers).
+        """
+        doc, stop = _load(config)
+        if stop is not None:
+            raise LeaseConfigError(f"{stop.field}: {stop}")
+        values = {name: _extra_seconds(doc, name) for name in _SECONDS_FIELDS}
+        for name, value in values.items():
+            bad = _seconds_finding(name, value)
+            if bad is not None:
+                raise LeaseConfigError(f"{bad.field}: {bad}")
+        return cls(LeaseTiming.from_lease_duration(values["kv_lease_duration"]),
+                   values["decoder_kv_blocks_ttl"], copy.deepcopy(dict(doc)))

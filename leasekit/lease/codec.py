@@ -1,0 +1,227 @@
+"""NIXL notification codecs, byte-identical to vLLM's NixlConnector (vllm 0.32.0).
+
+D sends two kinds of NIXL notification to P:
+
+- heartbeat: ``("HB:" + ",".join(remote_req_ids)).encode()``
+  (``nixl/base_worker.py: _send_heartbeats``), one per remote P engine per interval ``H``;
+- read completion: ``f"{remote_request_id}:{expected_consumers}".encode()``
+  (``nixl/pull_worker.py: _read_blocks``), one per consumer rank.
+
+Stock P decodes them with ``notif.decode("utf-8")``, ``msg.startswith("HB:")`` and
+``req_id, n = msg.rsplit(":", 1)`` / ``int(n)`` (``nixl/pull_worker.py: _get_new_notifs``), so
+non-UTF-8 bytes, a message with no ``:`` and a non-integer count each raise inside P's engine
+step. :func:`decode_notification` keeps vLLM's semantics for every well-formed message
+(``startswith("HB:")`` first, then ``rsplit(":", 1)``) and returns a :class:`DecodeError` for
+everything else: it never raises.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+HEARTBEAT_PREFIX = "HB:"
+"""A notification starting with this is a heartbeat (vLLM tests ``startswith`` before anything)."""
+
+DEFAULT_MAX_BYTES = 1 << 20
+"""Default ceiling on a notification's size in bytes, checked before decoding."""
+
+MAX_EXPECTED_CONSUMERS = 1_000_000
+"""Largest consumer count accepted in a completion (vLLM's is the number of D ranks reading)."""
+
+MAX_HEARTBEAT_ID_CHARS = 1024
+"""Longest request id accepted inside a heartbeat, in characters."""
+
+REASON_OVERSIZED = "oversized"
+REASON_NOT_UTF8 = "not_utf8"
+REASON_EMPTY = "empty"
+REASON_NO_COLON = "no_colon"
+REASON_BAD_COUNT = "bad_count"
+REASON_EMPTY_ID = "empty_id"
+REASON_BAD_ID = "bad_id"
+REASON_NOT_BYTES = "not_bytes"
+DECODE_ERROR_REASONS = (
+    REASON_OVERSIZED,
+    REASON_NOT_UTF8,
+    REASON_EMPTY,
+    REASON_NO_COLON,
+    REASON_BAD_COUNT,
+    REASON_EMPTY_ID,
+    REASON_BAD_ID,
+    REASON_NOT_BYTES,
+)
+"""Every :attr:`DecodeError.reason`; a closed set, fit for a metric label."""
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")  # Unicode category Cc (C0, DEL, C1)
+_DIGITS = re.compile(r"[0-9]{1,16}")  # ASCII only: int() would also take " 3", "+3", "3_0", "٣"
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """A decoded heartbeat: the P-side request ids whose leases D asks P to extend, in wire order.
+
+    Duplicates are kept (vLLM's handler extends each id it meets; a repeat is a no-op).
+    """
+
+    req_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A decoded read completion: one consumer rank finished reading ``req_id``'s blocks.
+
+    P frees the blocks once it has counted ``expected_consumers`` completions for ``req_id``.
+    """
+
+    req_id: str
+    expected_consumers: int
+
+
+@dataclass(frozen=True)
+class DecodeError:
+    """A notification :func:`decode_notification` refused.
+
+    Attributes:
+        reason: one of :data:`DECODE_ERROR_REASONS` (bounded cardinality: use it as a label).
+        detail: human-readable detail, possibly quoting (a truncated repr of) the input; never a label.
+    """
+
+    reason: str
+    detail: str
+
+
+Notification = Heartbeat | Completion | DecodeError
+
+
+def encode_heartbeat(remote_req_ids: Iterable[str]) -> bytes:
+    """Encode a heartbeat exactly as vLLM does: ``("HB:" + ",".join(ids)).encode()``.
+
+    Source: vllm ``nixl/base_worker.py: _send_heartbeats``. The given order is kept (vLLM iterates
+    a ``set``, so its wire order is arbitrary). Ids are not validated, as in vLLM; an id holding
+    ``,`` cannot round-trip.
+
+    Raises:
+        TypeError: ``remote_req_ids`` is a single ``str``/``bytes`` (it would be split per character).
+    """
+    if isinstance(remote_req_ids, (str, bytes, bytearray)):
+        raise TypeError("encode_heartbeat takes an iterable of request ids, not a single string")
+    return (HEARTBEAT_PREFIX + ",".join(remote_req_ids)).encode()
+
+
+def encode_completion(remote_req_id: str, expected_consumers: int) -> bytes:
+    """Encode a read completion exactly as vLLM does: ``f"{req_id}:{n}".encode()``.
+
+    Source: vllm ``nixl/pull_worker.py: _read_blocks``. Not validated, as in vLLM.
+    """
+    return f"{remote_req_id}:{expected_consumers}".encode()
+
+
+def _short(value: object, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _id_problem(req_id: str, *, max_chars: int | None) -> DecodeError | None:
+    if not req_id:
+        return DecodeError(REASON_EMPTY_ID, "empty request id")
+    if _CONTROL.search(req_id):
+        return DecodeError(REASON_BAD_ID, f"request id holds a control character: {_short(req_id)}")
+    if max_chars is not None and len(req_id) > max_chars:
+        return DecodeError(REASON_BAD_ID, f"request id is {len(req_id)} chars, over {max_chars}")
+    return None
+
+
+def decode_notification(msg: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Notification:
+    """Decode one NIXL notification; never raises.
+
+    Checks, in order: size (``len(msg) > max_bytes`` is ``oversized``, before any decoding), strict
+    UTF-8 (``not_utf8``), emptiness (``empty``); then, as vLLM, a message starting with ``HB:`` is a
+    heartbeat (its ids split on ``,``; ``HB:`` alone or ``HB:a,,b`` is ``empty_id``; an id with a
+    control character or over 1024 chars is ``bad_id``); anything else is a completion split with
+    ``rsplit(":", 1)`` (``a:b:2`` is ``Completion("a:b", 2)``; no ``:`` is ``no_colon``; an
+    empty id is ``empty_id``; a control character in it ``bad_id``; a count that is not ASCII
+    base-10 digits in ``1..1_000_000`` is ``bad_count``).
+
+    Stricter than vLLM (``nixl/pull_worker.py: _get_new_notifs``), which raises on the first three
+    kinds of bad input and, through ``int()``, accepts counts such as ``" 2"``, ``"+2"``, ``"2_0"``,
+    ``"0"`` and ``"-1"`` (a count < 1 is never reached, so the blocks are held until expiry).
+
+    Args:
+        msg: the raw notification (``bytes``; ``bytearray`` and ``memoryview`` are accepted).
+        max_bytes: size ceiling in bytes.
+
+    Returns:
+        :class:`Heartbeat`, :class:`Completion` or :class:`DecodeError` (``not_bytes`` for input
+        that is not bytes-like).
+    """
+    if isinstance(msg, memoryview):
+        msg = msg.tobytes()
+    if not isinstance(msg, (bytes, bytearray)):
+        return DecodeError(REASON_NOT_BYTES, f"expected bytes, got {type(msg).__name__}")
+    if len(msg) > max_bytes:
+        return DecodeError(REASON_OVERSIZED, f"{len(msg)} bytes > max_bytes={max_bytes}")
+    try:
+        text = bytes(msg).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return DecodeError(REASON_NOT_UTF8, f"{exc.reason} at byte {exc.start}: {_short(bytes(msg[:40]))}")
+    if not text:
+        return DecodeError(REASON_EMPTY, "empty notification")
+    if text.startswith(HEARTBEAT_PREFIX):
+        ids = tuple(text[len(HEARTBEAT_PREFIX) :].split(","))
+        for req_id in ids:
+            problem = _id_problem(req_id, max_chars=MAX_HEARTBEAT_ID_CHARS)
+            if problem is not None:
+                return DecodeError(problem.reason, f"heartbeat: {problem.detail}")
+        return Heartbeat(ids)
+    if ":" not in text:
+        return DecodeError(REASON_NO_COLON, f"not a heartbeat and no ':' separator: {_short(text)}")
+    req_id, count = text.rsplit(":", 1)
+    if not _DIGITS.fullmatch(count) or not 1 <= int(count) <= MAX_EXPECTED_CONSUMERS:
+        return DecodeError(
+            REASON_BAD_COUNT, f"consumer count {_short(count)} is not an integer in 1..{MAX_EXPECTED_CONSUMERS}"
+        )
+    problem = _id_problem(req_id, max_chars=None)
+    if problem is not None:
+        return DecodeError(problem.reason, f"completion: {problem.detail}")
+    return Completion(req_id, int(count))
+
+
+class NotificationCounters:
+    """Counts of decoded notifications by kind and of refusals by reason. Pure; not thread-safe.
+
+    ``as_dict()`` shape: ``{"heartbeat": int, "completion": int, "error": {reason: int}}`` with every
+    reason of :data:`DECODE_ERROR_REASONS` present (zeros included), plus ``"heartbeat_ids": int``,
+    the total number of request ids carried by heartbeats.
+    """
+
+    def __init__(self) -> None:
+        self.heartbeats = 0
+        self.completions = 0
+        self.heartbeat_ids = 0
+        self.errors: dict[str, int] = dict.fromkeys(DECODE_ERROR_REASONS, 0)
+
+    def record(self, result: Notification) -> None:
+        """Count one :func:`decode_notification` result.
+
+        Raises:
+            TypeError: ``result`` is not a Heartbeat, Completion or DecodeError.
+        """
+        if isinstance(result, Heartbeat):
+            self.heartbeats += 1
+            self.heartbeat_ids += len(result.req_ids)
+        elif isinstance(result, Completion):
+            self.completions += 1
+        elif isinstance(result, DecodeError):
+            self.errors[result.reason] = self.errors.get(result.reason, 0) + 1
+        else:
+            raise TypeError(f"not a decode_notification result: {type(result).__name__}")
+
+    def as_dict(self) -> dict:
+        """A snapshot (a new dict; later ``record`` calls do not change it)."""
+        return {
+            "heartbeat": self.heartbeats,
+            "completion": self.completions,
+            "heartbeat_ids": self.heartbeat_ids,
+            "error": dict(self.errors),
+        }
