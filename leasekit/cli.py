@@ -1,11 +1,14 @@
 """The ``leasekit`` runbook commands.
 
-``leasekit chaos list`` lists the scenario catalog; ``leasekit chaos run NAME`` runs a scenario
-against a freshly started real P/D pair; ``leasekit bounds`` prints the bounds for a lease duration.
+``leasekit chaos list`` lists the scenario catalog; ``leasekit chaos run NAME...|--all`` runs
+scenarios against real P/D pairs, once per target (LeaseKitConnector, stock NixlConnector);
+``leasekit bounds`` prints the bounds for a lease duration.
 
-Exit codes of ``chaos run``: 0 the verdict is the scenario's expected one (PASS for kill-decode),
-1 FAIL, 3 UNKNOWN, 4 the harness failed (servers did not start, ...), 2 bad usage,
-130 interrupted by SIGINT, 143 by SIGTERM.
+Exit codes of ``chaos run``: 0 every verdict is the scenario's expected one (kill-decode expects
+PASS on both targets), 1 an unexpected FAIL (or a PASS where a known defect was expected: the
+scenario file needs updating), 3 an unexpected UNKNOWN, 4 a harness error (a pair that would not
+start, a fault that could not be set up, a teardown that failed), 2 bad usage, 130 interrupted
+by SIGINT, 143 by SIGTERM.
 """
 
 from __future__ import annotations
@@ -61,46 +64,75 @@ def _writable_dir(path: Path) -> str | None:
 
 
 def _cmd_chaos_list(args: argparse.Namespace) -> int:
+    if args.catalog and not Path(args.catalog).is_dir():
+        print(f"leasekit: --catalog {args.catalog} is not a directory", file=sys.stderr)
+        return EXIT_USAGE
     table = Table(title=f"scenarios in {args.catalog or catalog_dir()}")
-    for column in ("name", "incident", "L (s)", "description"):
+    for column in ("name", "incident", "L (s)", "targets", "expect", "description"):
         table.add_column(column)
     for name, path in list_scenarios(Path(args.catalog) if args.catalog else None).items():
         try:
             s = load_scenario(path)
-            table.add_row(name, s.incident, str(s.lease.duration_s), s.description)
+            expect = ", ".join(f"{t}: {s.expect.verdict_for(t)}" for t in s.topology.targets)
+            table.add_row(name, s.incident, str(s.lease.duration_s), ",".join(s.topology.targets), expect, s.description)
         except ScenarioError as exc:
-            table.add_row(name, "?", "?", f"[red]invalid: {exc}[/]")
+            table.add_row(name, "?", "?", "?", "?", f"[red]invalid: {exc}[/]")
     Console().print(table)
     return EXIT_OK
 
 
 def _cmd_chaos_run(args: argparse.Namespace) -> int:
-    from leasekit.chaos.runner import ScenarioRun  # imports the cluster stack only when running
+    from leasekit.chaos.suite import Suite, plan  # imports the cluster stack only when running
 
     catalog = Path(args.catalog) if args.catalog else None
+    if not args.names and not args.all:
+        print("leasekit: name one or more scenarios, or pass --all (see `leasekit chaos list`)", file=sys.stderr)
+        return EXIT_USAGE
+    if args.names and args.all:
+        print("leasekit: pass scenario names or --all, not both", file=sys.stderr)
+        return EXIT_USAGE
+    duplicates = sorted({n for n in args.names if args.names.count(n) > 1})
+    if duplicates:
+        print(f"leasekit: scenario(s) named twice: {', '.join(duplicates)}", file=sys.stderr)
+        return EXIT_USAGE
+    if catalog is not None and not catalog.is_dir():
+        print(f"leasekit: --catalog {catalog} is not a directory", file=sys.stderr)
+        return EXIT_USAGE
     try:
-        scenario = find_scenario(args.name, catalog).with_overrides(
-            lease_duration_s=args.lease_duration, tick_s=args.tick,
-            prefill_connector=args.prefill_connector, decode_connector=args.decode_connector,
-        )
+        names = list(list_scenarios(catalog)) if args.all else args.names
+        scenarios = [
+            find_scenario(name, catalog).with_overrides(lease_duration_s=args.lease_duration, tick_s=args.tick)
+            for name in names
+        ]
     except ScenarioError as exc:
         print(f"leasekit: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    if len({s.name for s in scenarios}) != len(scenarios):
+        print("leasekit: two scenarios have the same name", file=sys.stderr)
+        return EXIT_USAGE
+    if args.lease_duration is not None:
+        for finding in lint_timing(scenarios[0].lease.timing()):
+            print(f"leasekit: warning: --lease-duration {args.lease_duration:g}: {finding}", file=sys.stderr)
+        print("leasekit: warning: the catalog's fault times and durations are seconds written for L = 6 s; "
+              "with another L they may no longer mean what their descriptions say", file=sys.stderr)
+    runs = plan(scenarios, args.target)
+    if not runs:
+        print(f"leasekit: none of the scenarios runs on target(s) {', '.join(args.target or [])}", file=sys.stderr)
+        return EXIT_USAGE
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / f"{stamp}-{scenario.name}"
+    label = "all" if args.all else "-".join(s.name for s in scenarios)[:80]
+    run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / f"{stamp}-{label}"
     problem = _writable_dir(run_dir)
     if problem:
         print(f"leasekit: --run-dir {run_dir} is not a writable directory ({problem})", file=sys.stderr)
         return EXIT_USAGE
-    run = ScenarioRun(scenario, run_dir, start_timeout_s=args.start_timeout)
-    report = run.execute()
+    suite = Suite(runs, run_dir, start_timeout_s=args.start_timeout)
+    report = suite.execute()
     if report["status"] == "interrupted":
-        return EXIT_SIGTERM if run.interrupt_signal == "SIGTERM" else EXIT_SIGINT
-    if report["status"] != "completed":
+        return EXIT_SIGTERM if suite.interrupt_signal == "SIGTERM" else EXIT_SIGINT
+    if report["status"] != "completed" or report["harness_errors"]:
         return EXIT_HARNESS
-    if report["as_expected"]:
-        return EXIT_OK
-    return {"FAIL": EXIT_FAIL, "UNKNOWN": EXIT_UNKNOWN}.get(report["verdict"], EXIT_FAIL)
+    return {"PASS": EXIT_OK, "FAIL": EXIT_FAIL}.get(report["verdict"], EXIT_UNKNOWN)
 
 
 def _cmd_bounds(args: argparse.Namespace) -> int:
@@ -146,12 +178,14 @@ def build_parser() -> argparse.ArgumentParser:
     p_list = chaos_sub.add_parser("list", help="list the scenario catalog")
     p_list.add_argument("--catalog", help="scenario directory (default: chaos/ or $LEASEKIT_CHAOS_DIR)")
     p_list.set_defaults(func=_cmd_chaos_list)
-    p_run = chaos_sub.add_parser("run", help="run one scenario; exit 0 only on PASS")
-    p_run.add_argument("name", help="scenario name from the catalog, or a path to a .toml file")
+    p_run = chaos_sub.add_parser(
+        "run", help="run scenarios against real P/D pairs; exit 0 only when every verdict is the expected one")
+    p_run.add_argument("names", nargs="*", metavar="NAME", help="scenario names from the catalog, or paths to .toml files")
+    p_run.add_argument("--all", action="store_true", help="run the whole catalog")
+    p_run.add_argument("--target", action="append", choices=("leasekit", "stock"),
+                       help="run only against this target (repeatable; default: the targets each scenario lists)")
     p_run.add_argument("--lease-duration", type=_positive_seconds, help="override kv_lease_duration (seconds)")
     p_run.add_argument("--tick", type=_tick_seconds, help="override the allowance for P's step period (0-60 s)")
-    p_run.add_argument("--prefill-connector", choices=("leasekit", "stock"))
-    p_run.add_argument("--decode-connector", choices=("leasekit", "stock"))
     p_run.add_argument("--run-dir", help="where logs, spans and report.json go (default runs/<time>-<name>)")
     p_run.add_argument("--catalog", help="scenario directory")
     p_run.add_argument("--start-timeout", type=_start_timeout_seconds, default=300.0,

@@ -244,3 +244,114 @@ def check_steady_state(
             "leases_outlived_L_on_heartbeats": longest is not None and longest > float(timing.lease_duration_s),
         },
     )
+
+
+def check_no_expiry(leases: Iterable[LeaseTimeline], request_ids: Iterable[str], timing: LeaseTiming) -> CheckResult:
+    """No lease of ``request_ids`` expired (invariant 2 while D is healthy or only briefly stalled).
+
+    FAIL lists each expired lease with its heartbeats; UNKNOWN when a request has no ended lease
+    in the evidence (missing evidence must never read as "nothing expired").
+    """
+    grouped = _by_request(leases)
+    rows = []
+    for request_id in request_ids:
+        if not grouped.get(request_id):
+            rows.append(LeaseVerdict(request_id, UNKNOWN, "no lease end in P's evidence"))
+        for lease in grouped.get(request_id, []):
+            life = lease.end_s - lease.grant_s
+            if lease.outcome == sc.OUTCOME_EXPIRED:
+                last = lease.relative(lease.last_heartbeat_s)
+                rows.append(LeaseVerdict(request_id, FAIL, f"expired after {life:.3f} s, last heartbeat at {last if last is None else round(last, 3)} s", None, life, lease))
+            else:
+                rows.append(LeaseVerdict(request_id, PASS, f"{lease.outcome} after {life:.3f} s, {lease.heartbeat_count} heartbeat(s)", None, life, lease))
+    expired = [r for r in rows if r.verdict == FAIL]
+    missing = [r for r in rows if r.verdict == UNKNOWN]
+    verdict = FAIL if expired else UNKNOWN if missing or not rows else PASS
+    summary = (f"{len(expired)} lease(s) expired" if expired else
+               f"{len(missing)} of {len(rows)} request(s) have no ended lease in the evidence" if missing else
+               "no lease to judge" if not rows else f"0 of {len(rows)} lease(s) expired")
+    return CheckResult("no-expiry", verdict, summary, rows, {"expired": len(expired), "leases": len(rows),
+                                                              "lease_duration_s": timing.lease_duration_s})
+
+
+def check_all_served(decodes: Mapping[int, DecodeResult], expected: Iterable[int]) -> CheckResult:
+    """Every request meant to be decoded answered HTTP 200 with tokens."""
+    expected = list(expected)
+    missing = [i for i in expected if i not in decodes]
+    failed = [f"#{i}: HTTP {decodes[i].status} {decodes[i].error or ''}".strip() for i in expected if i in decodes and not decodes[i].ok]
+    problems = missing + failed
+    verdict = FAIL if problems else PASS
+    summary = f"{len(expected) - len(problems)}/{len(expected)} served" + (f"; not served: {problems[:5]}" if problems else "")
+    return CheckResult("all-served", verdict, summary, details={"expected": len(expected), "missing": missing, "failed": failed})
+
+
+def check_fail_closed(leases: Iterable[LeaseTimeline], served: Mapping[str, float], late_reads: Mapping[str, float]) -> CheckResult:
+    """Invariant 5: no tokens from an expired lease.
+
+    ``served``: request id -> when D's HTTP 200 answer arrived, converted to P's evidence clock.
+    A request served after its lease expired read blocks P had already freed: FAIL, whether or not
+    P noticed the late read (``late_reads``: request id -> when P saw it). A late read that D did
+    not serve (error or recompute) is the fail-closed outcome.
+    """
+    rows = []
+    for lease in leases:
+        if lease.outcome != sc.OUTCOME_EXPIRED:
+            continue
+        answered = served.get(lease.request_id)
+        seen = late_reads.get(lease.request_id)
+        detected = "P saw the late read" if seen is not None else "P never saw it"
+        if answered is not None and answered > lease.end_s:
+            rows.append(LeaseVerdict(lease.request_id, FAIL,
+                                     f"HTTP 200 {answered - lease.end_s:.3f} s after its lease expired ({detected})",
+                                     None, answered - lease.grant_s, lease))
+        elif seen is not None:
+            rows.append(LeaseVerdict(lease.request_id, PASS, "late read detected and not served", None, seen - lease.grant_s, lease))
+    failed = [r for r in rows if r.verdict == FAIL]
+    if failed:
+        verdict, summary = FAIL, f"{len(failed)} request(s) served tokens from an expired lease"
+    elif rows:
+        verdict, summary = PASS, f"{len(rows)} late read(s), none served"
+    else:
+        verdict, summary = UNKNOWN, "no read of an expired lease happened: fail-closed not exercised"
+    return CheckResult("fail-closed", verdict, summary, rows, {"late_reads_seen_by_p": len(late_reads)})
+
+
+def check_conservation(kv_usage_after: float | None, open_leases: Iterable[str], *, waited_s: float) -> CheckResult:
+    """Invariant 8: when traffic stops, P's pinned KV blocks return to zero.
+
+    ``kv_usage_after``: P's ``vllm:kv_cache_usage_perc`` gauge after the wait (None: unreadable);
+    ``open_leases``: workload requests with no recorded lease end.
+    """
+    open_leases = list(open_leases)
+    problems = []
+    if kv_usage_after is None:
+        return CheckResult("conservation", UNKNOWN, "P's /metrics was unreadable", details={"open_leases": open_leases})
+    if kv_usage_after > 0:
+        problems.append(f"P's KV cache still {kv_usage_after * 100:.2f}% used {waited_s:.0f} s after traffic stopped")
+    if open_leases:
+        problems.append(f"{len(open_leases)} lease(s) never ended")
+    verdict = FAIL if problems else PASS
+    return CheckResult("conservation", verdict, "; ".join(problems) or "every lease ended; P's KV cache back to 0",
+                       details={"kv_cache_usage_perc": kv_usage_after, "open_leases": open_leases, "waited_s": waited_s})
+
+
+def check_liveness(unanswered: Iterable[str], decode_healthy: bool | None, fresh_request_ok: bool | None,
+                   answers: Mapping[str, str] | None = None) -> CheckResult:
+    """Invariant 7: faults never leave a request waiting forever; D and P keep serving.
+
+    ``unanswered``: requests with no HTTP answer at all; ``fresh_request_ok``: a new routed request
+    after the fault was served (None: not attempted); ``answers``: request id -> what each got
+    (for the evidence).
+    """
+    unanswered = list(unanswered)
+    problems = []
+    if unanswered:
+        problems.append(f"{len(unanswered)} request(s) never answered")
+    if decode_healthy is False:
+        problems.append("D unhealthy after the fault")
+    if fresh_request_ok is False:
+        problems.append("a fresh request after the fault was not served")
+    verdict = FAIL if problems else PASS
+    return CheckResult("liveness", verdict, "; ".join(problems) or "every request answered; a fresh request served",
+                       details={"unanswered": unanswered, "decode_healthy": decode_healthy,
+                                "fresh_request_ok": fresh_request_ok, "answers": dict(answers or {})})

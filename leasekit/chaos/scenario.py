@@ -11,9 +11,23 @@ import tomllib
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
-from leasekit.lease.config import LeaseTiming
+from leasekit.chaos.schema import (
+    ExpectSection,
+    Fault,
+    KillFault,
+    LaunchSection,
+    LeaseSection,
+    HeartbeatFault,
+    NoFault,
+    PartitionFault,
+    StallFault,
+    SteadyStateSection,
+    Strict,
+    TopologySection,
+    WorkloadSection,
+)
 
 CATALOG_ENV = "LEASEKIT_CHAOS_DIR"
 
@@ -22,96 +36,47 @@ class ScenarioError(ValueError):
     """A scenario file is missing or invalid; the message names the file, field and allowed values."""
 
 
-class _Strict(BaseModel):
-    # strict: no silent coercion ("6" -> 6, true -> 1.0); an int is still accepted for a float.
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
-
-
-class LeaseSection(_Strict):
-    """``[lease]``: ``duration_s`` is ``kv_lease_duration``; ``tick_s`` bounds P's step period."""
-
-    duration_s: float = Field(6, gt=0, le=3600, description="kv_lease_duration, seconds")
-    tick_s: float = Field(0.5, ge=0, le=60, description="allowance for P's step period, seconds")
-
-    def timing(self) -> LeaseTiming:
-        """The derived ``L``, ``H``, ``E`` (an integral duration stays an int, as vLLM keeps it)."""
-        L = int(self.duration_s) if float(self.duration_s).is_integer() else self.duration_s
-        return LeaseTiming.from_lease_duration(L)
-
-
-class TopologySection(_Strict):
-    """``[topology]``: which connector each side runs and D's running-slot limit."""
-
-    prefill_connector: Literal["leasekit", "stock"] = "leasekit"
-    decode_connector: Literal["leasekit", "stock"] = "leasekit"
-    decode_max_num_seqs: int = Field(1, ge=1, le=256)
-
-
-class WorkloadSection(_Strict):
-    """``[workload]``: N P->D requests queued on D behind one long local generation.
-
-    ``hold_decode_slot_s`` is how long the long generation holds D's running slot in the
-    steady-state run; None means ``1.5 * L`` so the leases must live on heartbeats.
-    """
-
-    requests: int = Field(4, ge=1, le=256)
-    prompt_tokens: int = Field(48, ge=1, le=2048)
-    decode_tokens: int = Field(4, ge=1, le=512)
-    hold_decode_slot_s: float | None = Field(None, gt=0, le=3600)
-
-
-class SteadyStateSection(_Strict):
-    """``[steady_state]``: the hypothesis checked on the same workload without the fault."""
-
-    expiries: int = Field(0, ge=0)
-    all_served: bool = True
-
-
-class KillFault(_Strict):
-    """``[[faults]] kind = "kill"``: signal a server's whole process group.
-
-    ``after_queued_s``: seconds after every request sits in D's queue; None means
-    ``(L - E) + 2 * H + 0.5``: late enough that the last delivered heartbeat, not the grant, sets
-    ``max(grant + L, last heartbeat + E)``, so the run exercises the heartbeat term of the bound.
-    """
-
-    kind: Literal["kill"]
-    target: Literal["decode", "prefill"] = "decode"
-    signal: Literal["SIGKILL", "SIGTERM"] = "SIGKILL"
-    after_queued_s: float | None = Field(None, ge=0, le=3600)
-
-
-class ExpectSection(_Strict):
-    """``[expect]``: the verdict this scenario should reach and which bound applies."""
-
-    verdict: Literal["PASS", "FAIL", "UNKNOWN"] = "PASS"
-    bound: Literal["reclaim"] = "reclaim"
-
-
-class Scenario(_Strict):
-    """One chaos scenario. ``incident`` names the public incident class (CASES.md, K01-K13)."""
+class Scenario(Strict):
+    """One chaos scenario. ``incident`` names the public incident class(es) of CASES.md."""
 
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9-]*$")
     description: str
-    incident: str = Field(pattern=r"^K(0[1-9]|1[0-3])$")
+    incident: str = Field(pattern=r"^K(0[1-9]|1[0-3])(,K(0[1-9]|1[0-3]))*$")
     lease: LeaseSection = LeaseSection()
     topology: TopologySection = TopologySection()
+    launch: LaunchSection = LaunchSection()
     workload: WorkloadSection = WorkloadSection()
     steady_state: SteadyStateSection = SteadyStateSection()
-    faults: list[KillFault] = Field(min_length=1, max_length=1)
-    expect: ExpectSection = ExpectSection()
+    faults: list[Fault] = Field(min_length=1, max_length=3)
+    expect: ExpectSection
 
     @model_validator(mode="after")
-    def _measurable(self) -> "Scenario":
-        if self.expect.bound == "reclaim" and self.topology.prefill_connector != "leasekit":
-            raise ValueError(
-                "topology.prefill_connector = 'stock': a stock P emits no lease spans, so the reclaim "
-                "bound cannot be measured; use 'leasekit' on P (D may run 'stock')"
-            )
+    def _consistent(self) -> "Scenario":
+        w = self.workload
+        if w.cancel_queued_fraction + w.never_decode_fraction > 1:
+            raise ValueError("workload.cancel_queued_fraction + workload.never_decode_fraction must be <= 1, "
+                             f"got {w.cancel_queued_fraction} + {w.never_decode_fraction}")
+        if w.kind in ("queued", "abort_storm") and self.topology.decode_max_num_seqs != 1:
+            raise ValueError(f"topology.decode_max_num_seqs must be 1 for workload.kind = {w.kind!r} "
+                             f"(requests must queue behind D's one running slot), got {self.topology.decode_max_num_seqs}")
+        for i, fault in enumerate(self.faults):
+            if isinstance(fault, HeartbeatFault) and fault.target != "decode":
+                raise ValueError(f"faults.{i}.target: heartbeat faults live in D's send path: 'decode' only")
+            if isinstance(fault, KillFault) and fault.restart_after_s is not None and fault.target != "decode":
+                raise ValueError(f"faults.{i}.restart_after_s: only a killed D is restarted (target = 'decode')")
+            connector_only = isinstance(fault, HeartbeatFault) or (isinstance(fault, StallFault) and fault.method == "forward_pass")
+            if connector_only and "stock" in self.topology.targets and self.expect.stock != "UNKNOWN":
+                raise ValueError(f"faults.{i}: a {fault.kind} fault cannot be injected into the stock connector: "
+                                 "set expect.stock = 'UNKNOWN' or drop 'stock' from topology.targets")
+            if isinstance(fault, PartitionFault):
+                if not self.launch.network_namespace:
+                    raise ValueError(f"faults.{i}: a partition needs launch.network_namespace = true")
+                if fault.first_handshake and self.launch.warm_up:
+                    raise ValueError(f"faults.{i}: first_handshake needs launch.warm_up = false (D must not have met P)")
         return self
 
     def with_overrides(self, *, lease_duration_s: float | None = None, tick_s: float | None = None,
-                       prefill_connector: str | None = None, decode_connector: str | None = None) -> "Scenario":
+                       targets: list[str] | None = None) -> "Scenario":
         """A copy with command-line overrides applied and re-validated.
 
         Raises:
@@ -122,23 +87,34 @@ class Scenario(_Strict):
             data["lease"]["duration_s"] = lease_duration_s
         if tick_s is not None:
             data["lease"]["tick_s"] = tick_s
-        if prefill_connector is not None:
-            data["topology"]["prefill_connector"] = prefill_connector
-        if decode_connector is not None:
-            data["topology"]["decode_connector"] = decode_connector
+        if targets:
+            data["topology"]["targets"] = list(targets)
         return _validate(data, "command-line overrides (--lease-duration sets lease.duration_s, --tick lease.tick_s)")
 
     def hold_decode_slot_s(self) -> float:
         """Seconds D's slot is held in the steady-state run (default ``1.5 * L``)."""
         return self.workload.hold_decode_slot_s or 1.5 * float(self.lease.duration_s)
 
-    def kill_after_s(self) -> float:
-        """Seconds between "all queued" and the kill (default ``(L - E) + 2 * H + 0.5``)."""
-        fault = self.faults[0]
-        if fault.after_queued_s is not None:
-            return fault.after_queued_s
+    def fault_after_s(self, fault) -> float:
+        """Seconds between "queued" and ``fault`` (its ``after_s``, else a default per kind):
+        kill ``(L - E) + 2H + 0.5`` (the last heartbeat, not the grant, then sets the bound); other
+        faults ``2H + 0.5`` (P has seen heartbeats first); a first-handshake partition 0."""
+        if getattr(fault, "after_s", None) is not None:
+            return fault.after_s
         t = self.lease.timing()
-        return float(t.lease_duration_s - t.extension_s) + 2 * float(t.heartbeat_interval_s) + 0.5
+        H = float(t.heartbeat_interval_s)
+        if isinstance(fault, KillFault):
+            return float(t.lease_duration_s - t.extension_s) + 2 * H + 0.5
+        if isinstance(fault, PartitionFault) and fault.first_handshake:
+            return 0.0
+        if isinstance(fault, NoFault):
+            return 0.0
+        return 2 * H + 0.5
+
+    def kill_after_s(self) -> float:
+        """Seconds between "queued" and the first kill fault (see :meth:`fault_after_s`)."""
+        kill = next((f for f in self.faults if isinstance(f, KillFault)), self.faults[0])
+        return self.fault_after_s(kill)
 
 
 def _allowed_range(loc: tuple) -> str | None:
@@ -211,7 +187,10 @@ def load_scenario(path: str | os.PathLike[str]) -> Scenario:
         raise ScenarioError(f"cannot read scenario file {path}: {exc.strerror or exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ScenarioError(f"scenario file {path} is not valid TOML: {exc}") from None
-    return _validate(data, str(path))
+    scenario = _validate(data, str(path))
+    if scenario.name != path.stem:
+        raise ScenarioError(f"{path}: name = {scenario.name!r} must match the file name {path.stem!r}")
+    return scenario
 
 
 def catalog_dir() -> Path:

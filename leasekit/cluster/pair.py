@@ -57,7 +57,11 @@ class WarmUpError(RuntimeError):
 
 @dataclasses.dataclass
 class PairSpec:
-    """A P/D pair to start: connectors, lease duration (s), D's running-slot limit, cores."""
+    """A P/D pair to start: connectors, lease duration (s), D's running-slot limit, cores, and
+    launch-time conditions (seconds): a monotonic-clock offset per side (a Linux time namespace),
+    a wall-clock offset and rate per side (libfaketime, monotonic left real), a network namespace
+    around both servers (for nftables faults), connector fault-control files, and millisecond lease
+    logging (the evidence for stock connectors, which write no spans)."""
 
     prefill_connector: str = "leasekit"
     decode_connector: str = "leasekit"
@@ -65,6 +69,20 @@ class PairSpec:
     decode_max_num_seqs: int = 1
     prefill_cpu: int | None = None
     decode_cpu: int | None = None
+    prefill_monotonic_offset_s: float = 0.0
+    decode_monotonic_offset_s: float = 0.0
+    prefill_wall_offset_s: float = 0.0
+    prefill_wall_rate: float = 1.0
+    decode_wall_offset_s: float = 0.0
+    decode_wall_rate: float = 1.0
+    network_namespace: bool = False
+    fault_files: bool = False
+    lease_logging: bool = False
+    warm_up: bool = True
+
+    def launch_key(self) -> tuple:
+        """Everything that needs a fresh pair when it changes."""
+        return dataclasses.astuple(self)
 
     @classmethod
     def pinned(cls, **kwargs) -> "PairSpec":
@@ -90,13 +108,55 @@ class PDPair:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.model_dir = write_tiny_llama(self.run_dir / "model")
         self.start_timeout_s = start_timeout_s
+        self.netns = None
+        if spec.network_namespace:
+            from leasekit.chaos.faults.netns import NetworkNamespace
+
+            self.netns = NetworkNamespace()
+        self.logging_config: Path | None = None
+        if spec.lease_logging:
+            from leasekit.telemetry.vllm_log import write_logging_config
+
+            self.logging_config = write_logging_config(self.run_dir / "vllm-logging.json")
         self.prefill = self._server("prefill", "prefill", spec.prefill_connector, spec.prefill_cpu, max_num_seqs=8)
         self.decode = self._server("decode", "decode", spec.decode_connector, spec.decode_cpu, max_num_seqs=spec.decode_max_num_seqs)
         self.router: Router | None = None
         self.rng = random.Random(0)
         self.startup_s: dict[str, float] = {}
 
+    def _launch(self, role: str) -> tuple[list[str], dict[str, str], str, str]:
+        """Command prefix, extra env, bind host and URL host for one side's launch conditions."""
+        spec = self.spec
+        prefix: list[str] = []
+        env: dict[str, str] = {}
+        bind_host = url_host = "127.0.0.1"
+        if self.netns is not None:
+            prefix += self.netns.exec_prefix()
+            bind_host, url_host = "0.0.0.0", self.netns.ns_ip
+        offset = spec.prefill_monotonic_offset_s if role == "prefill" else spec.decode_monotonic_offset_s
+        if offset:
+            from leasekit.chaos.faults.clock import time_namespace_prefix
+
+            prefix += time_namespace_prefix(offset)
+        wall_offset, wall_rate = (
+            (spec.prefill_wall_offset_s, spec.prefill_wall_rate) if role == "prefill" else (spec.decode_wall_offset_s, spec.decode_wall_rate)
+        )
+        if wall_offset or wall_rate != 1.0:
+            from leasekit.chaos.faults.clock import faketime_env
+
+            env.update(faketime_env(wall_offset, wall_rate))
+        if spec.fault_files:
+            env["LEASEKIT_FAULT_FILE"] = str(self.fault_file(role))
+        if self.logging_config is not None:
+            env["VLLM_LOGGING_CONFIG_PATH"] = str(self.logging_config)
+        return prefix, env, bind_host, url_host
+
+    def fault_file(self, role: str) -> Path:
+        """The connector fault-control file of ``role`` (``prefill`` or ``decode``)."""
+        return self.run_dir / "faults" / f"{role}.json"
+
     def _server(self, name: str, role: str, connector: str, cpu: int | None, *, max_num_seqs: int, http_port: int = 0, side_channel_port: int = 0) -> VllmServer:
+        prefix, env, bind_host, url_host = self._launch(role)
         server = VllmServer(
             ServerSpec(
                 name=name,
@@ -108,6 +168,10 @@ class PDPair:
                 max_num_seqs=max_num_seqs,
                 http_port=http_port,
                 side_channel_port=side_channel_port,
+                extra_env=env,
+                command_prefix=prefix,
+                bind_host=bind_host,
+                url_host=url_host,
             ),
             self.run_dir,
         )
@@ -116,19 +180,35 @@ class PDPair:
         return server
 
     # -- lifecycle -------------------------------------------------------------------------
+    def launch(self, *, idle: bool = False) -> "PDPair":
+        """Launch both servers and return at once; ``idle``: as background spares (``SCHED_BATCH``, nice 10; they
+        warm up in spare CPU time; :meth:`start` promotes them). Returns self."""
+        try:
+            self.prefill.start(idle=idle)
+            self.decode.start(idle=idle)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
     def start(self) -> "PDPair":
-        """Start both servers (concurrently), wait for health, warm up; returns self.
+        """Start both servers (concurrently; or promote a pair :meth:`launch`-ed idle), wait for
+        health, warm up; returns self.
 
         Raises:
             ServerStartError / WarmUpError: with the server log tail; both servers are stopped first.
         """
         try:
-            self.prefill.start()
-            self.decode.start()
+            if self.prefill.proc is None:
+                self.prefill.start()
+                self.decode.start()
+            self.prefill.promote()
+            self.decode.promote()
             self.startup_s["prefill"] = self.prefill.wait_healthy(self.start_timeout_s)
             self.startup_s["decode"] = self.decode.wait_healthy(self.start_timeout_s)
             self.router = Router(self.prefill.url, self.decode.url)
-            self.warm_up()
+            if self.spec.warm_up:
+                self.warm_up()
         except BaseException:
             self.stop()
             raise
@@ -155,10 +235,46 @@ class PDPair:
             f"D log {self.decode.log_path}"
         )
 
-    def restart_decode(self, connector: str | None = None, *, same_address: bool = True) -> VllmServer:
+    def spare_decode(self) -> VllmServer:
+        """Launch a second D like the current one (its own new ports) in the background, to
+        replace D after a scenario kills it (see :meth:`adopt_decode`); returns it, not started
+        serving (about 45 s of imports on this class of machine)."""
+        old = self.decode
+        spare = self._server("decode", "decode", old.spec.connector, old.spec.cpu, max_num_seqs=old.spec.max_num_seqs)
+        spare.log_path = old.log_path.with_name(f"decode-spare-{int(time.time())}.log")
+        spare.start(idle=True)
+        return spare
+
+    def adopt_decode(self, spare: VllmServer, *, warm_up: bool = True) -> VllmServer:
+        """Make ``spare`` (from :meth:`spare_decode`) this pair's D: stop the old D, promote the
+        spare, wait for health, re-point the router, warm up.
+
+        Raises:
+            ServerStartError / WarmUpError: the spare did not come up (it is stopped).
+        """
+        self.decode.stop(grace_s=5)
+        self.decode = spare
+        try:
+            spare.promote()
+            self.startup_s["decode_restart"] = spare.wait_healthy(self.start_timeout_s)
+        except BaseException:
+            spare.stop(grace_s=2)
+            raise
+        return self._route_to_new_decode(warm_up)
+
+    def _route_to_new_decode(self, warm_up: bool) -> VllmServer:
+        """Point the router at the current D and, if asked, warm the pair up; returns D."""
+        if self.router is not None:
+            self.router.close()
+        self.router = Router(self.prefill.url, self.decode.url)
+        if warm_up:
+            self.warm_up()
+        return self.decode
+
+    def restart_decode(self, connector: str | None = None, *, same_address: bool = True, warm_up: bool = True) -> VllmServer:
         """Stop D and start a new D (new engine id), on the same ports unless told otherwise.
 
-        Returns the new server after it is healthy and warmed up.
+        Returns the new server after it is healthy (and warmed up unless ``warm_up`` is False).
         """
         old = self.decode
         old.stop(grace_s=5)
@@ -174,20 +290,19 @@ class PDPair:
         self.decode.log_path = old.log_path.with_name(f"decode-{int(time.time())}.log")
         self.decode.start()
         self.startup_s["decode_restart"] = self.decode.wait_healthy(self.start_timeout_s)
-        if self.router is not None:
-            self.router.close()
-        self.router = Router(self.prefill.url, self.decode.url)
-        self.warm_up()
-        return self.decode
+        return self._route_to_new_decode(warm_up)
 
     def stop(self, grace_s: float = 5.0) -> None:
-        """Stop both servers together (SIGTERM, SIGKILL after ``grace_s`` seconds); idempotent."""
+        """Stop both servers together (SIGTERM, SIGKILL after ``grace_s`` seconds), then remove the
+        network namespace if any; idempotent."""
         if self.router is not None:
             self.router.close()
         for server in (self.decode, self.prefill):
             server.begin_stop()
         for server in (self.decode, self.prefill):
             server.stop(grace_s=grace_s)
+        if self.netns is not None:
+            self.netns.destroy()
 
     def __enter__(self) -> "PDPair":
         return self.start()

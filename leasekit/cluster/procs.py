@@ -18,15 +18,24 @@ import psutil
 _PR_SET_PDEATHSIG = 1
 
 
-def child_preexec(cpu: int | None, *, die_with_parent: bool = True) -> Callable[[], None]:
-    """A ``preexec_fn``: pin the child to ``cpu`` (if given) and, if ``die_with_parent``, ask the
-    kernel to SIGKILL it when the launching *thread* dies (``prctl(PR_SET_PDEATHSIG)``), so a crashed
-    runner orphans nothing. Only ask for that from a long-lived thread (the main thread).
+def child_preexec(cpu: int | None, *, die_with_parent: bool = True, idle: bool = False) -> Callable[[], None]:
+    """A ``preexec_fn``: pin the child to ``cpu`` (if given); with ``idle``, run it as background
+    work: ``SCHED_BATCH`` at nice ``BACKGROUND_NICE`` (it never preempts a waking task and gets a
+    small share against busy ones; its children inherit both, see sched(7)); and, if
+    ``die_with_parent``, ask the kernel to SIGKILL it when the launching *thread* dies
+    (``prctl(PR_SET_PDEATHSIG)``), so a crashed runner orphans nothing. Only ask for that from a
+    long-lived thread (the main thread).
+
+    ``SCHED_IDLE`` would be gentler still, but vLLM's engines busy-poll (NIXL progress thread, shared-
+    memory queues), so on this class of machine an idle-policy spare starved and gained nothing.
     """
 
     def _preexec() -> None:
         if cpu is not None:
             os.sched_setaffinity(0, {cpu})
+        if idle:
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+            os.setpriority(os.PRIO_PROCESS, 0, BACKGROUND_NICE)
         if not die_with_parent:
             return
         try:
@@ -111,21 +120,45 @@ def kill_group(pgid: int, root_pid: int | None = None, *, extra: list[psutil.Pro
     return sorted(procs)
 
 
-def pin_threads(pids: list[int], cpu: int) -> int:
-    """Set the CPU affinity of every thread of ``pids`` to ``{cpu}``; returns threads pinned."""
-    pinned = 0
+def _thread_ids(pids: list[int]):
+    """Every thread id of the live processes among ``pids``."""
     for pid in pids:
         try:
             tids = os.listdir(f"/proc/{pid}/task")
         except FileNotFoundError:
             continue
-        for tid in tids:
-            try:
-                os.sched_setaffinity(int(tid), {cpu})
-                pinned += 1
-            except (ProcessLookupError, PermissionError, OSError):
-                continue
+        yield from (int(tid) for tid in tids)
+
+
+def pin_threads(pids: list[int], cpu: int) -> int:
+    """Set the CPU affinity of every thread of ``pids`` to ``{cpu}``; returns threads pinned."""
+    pinned = 0
+    for tid in _thread_ids(pids):
+        try:
+            os.sched_setaffinity(tid, {cpu})
+            pinned += 1
+        except (ProcessLookupError, PermissionError, OSError):
+            continue
     return pinned
+
+
+BACKGROUND_NICE = 10
+"""Nice value of servers started as background spares (see :func:`child_preexec`)."""
+
+
+def normal_priority(pids: list[int]) -> int:
+    """Move every background thread of ``pids`` (``SCHED_BATCH``/``SCHED_IDLE``) back to
+    ``SCHED_OTHER`` at nice 0; returns threads changed (others are left alone)."""
+    changed = 0
+    for tid in _thread_ids(pids):
+        try:
+            if os.sched_getscheduler(tid) in (os.SCHED_BATCH, os.SCHED_IDLE):
+                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+                os.setpriority(os.PRIO_PROCESS, tid, 0)
+                changed += 1
+        except (ProcessLookupError, PermissionError, OSError):
+            continue
+    return changed
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -45,6 +45,9 @@ class DecodeResult:
     token_ids: list[int] | None = None
     error: str | None = None
     finish_reason: str | None = None
+    created: int | None = None  # D's wall clock (epoch seconds) when it created the response
+    done_monotonic_s: float = field(default_factory=time.monotonic)
+    done_wall_s: float = field(default_factory=time.time)
 
     @property
     def ok(self) -> bool:
@@ -78,10 +81,11 @@ class Router:
         """Close the HTTP client."""
         self._client.close()
 
-    def _post(self, url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any] | None, str | None, float]:
+    def _post(self, url: str, body: dict[str, Any], timeout_s: float | None = None) -> tuple[int, dict[str, Any] | None, str | None, float]:
         t0 = time.monotonic()
         try:
-            response = self._client.post(f"{url}/v1/completions", json=body)
+            extra = {} if timeout_s is None else {"timeout": timeout_s}
+            response = self._client.post(f"{url}/v1/completions", json=body, **extra)
         except httpx.HTTPError as exc:
             return 0, None, f"{type(exc).__name__}: {exc}", time.monotonic() - t0
         latency = time.monotonic() - t0
@@ -110,8 +114,12 @@ class Router:
             error = "P answered 200 without kv_transfer_params (is P a kv_producer with a NIXL connector?)"
         return PrefillResult(status=status, latency_s=latency, kv_transfer_params=params, error=error)
 
-    def decode(self, prompt: list[int], kv_transfer_params: dict[str, Any] | None, max_tokens: int) -> DecodeResult:
-        """Decode ``max_tokens`` tokens on D, reading the prompt's KV blocks from P."""
+    def decode(self, prompt: list[int], kv_transfer_params: dict[str, Any] | None, max_tokens: int,
+               *, timeout_s: float | None = None) -> DecodeResult:
+        """Decode ``max_tokens`` tokens on D, reading the prompt's KV blocks from P.
+
+        ``timeout_s``: give up (disconnect; vLLM then aborts the request) after this many seconds.
+        """
         body: dict[str, Any] = {
             "model": SERVED_MODEL_NAME,
             "prompt": prompt,
@@ -122,7 +130,7 @@ class Router:
         }
         if kv_transfer_params is not None:
             body["kv_transfer_params"] = kv_transfer_params
-        status, payload, error, latency = self._post(self.decode_url, body)
+        status, payload, error, latency = self._post(self.decode_url, body, timeout_s)
         if status != 200 or payload is None:
             return DecodeResult(status=status, latency_s=latency, error=error)
         choice = (payload.get("choices") or [{}])[0]
@@ -131,6 +139,7 @@ class Router:
             latency_s=latency,
             token_ids=choice.get("token_ids"),
             finish_reason=choice.get("finish_reason"),
+            created=payload.get("created"),
         )
 
     def generate(self, prompt: list[int], max_tokens: int) -> RoutedResult:

@@ -52,6 +52,10 @@ class ServerSpec:
         http_port / side_channel_port: 0 picks a free port at start.
         extra_env: extra environment variables.
         extra_args: extra CLI arguments for the API server.
+        command_prefix: wrappers the server is launched under (``unshare --time ...``,
+            ``ip netns exec NAME``), outermost first.
+        bind_host / url_host: where the server listens and where clients reach it (a network
+            namespace binds 0.0.0.0 and is reached on its veth address).
     """
 
     name: str
@@ -67,6 +71,9 @@ class ServerSpec:
     side_channel_port: int = 0
     extra_env: dict[str, str] = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=list)
+    command_prefix: list[str] = field(default_factory=list)
+    bind_host: str = "127.0.0.1"
+    url_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         if self.role not in KV_ROLES:
@@ -104,12 +111,15 @@ class VllmServer:
         self.log_path = self.run_dir / "logs" / f"{spec.name}.log"
         self.started_at: float | None = None
         self._log_file = None
+        self.idle = False  # started as a background spare and not promoted yet
+        self._started_idle = False
+        self.parked = False  # a healthy spare held with SIGSTOP until promoted
 
     # -- lifecycle -------------------------------------------------------------------------
     @property
     def url(self) -> str:
         """Base URL, e.g. ``http://127.0.0.1:8100``."""
-        return f"http://127.0.0.1:{self.http_port}"
+        return f"http://{self.spec.url_host}:{self.http_port}"
 
     @property
     def pgid(self) -> int | None:
@@ -120,6 +130,7 @@ class VllmServer:
         """The API server command line."""
         s = self.spec
         return [
+            *s.command_prefix,
             self.python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(s.model_dir),
             "--served-model-name", SERVED_MODEL_NAME,
@@ -130,7 +141,7 @@ class VllmServer:
             "--kv-cache-memory-bytes", str(s.kv_cache_bytes),
             "--max-model-len", str(s.max_model_len),
             "--max-num-seqs", str(s.max_num_seqs),
-            "--host", "127.0.0.1",
+            "--host", s.bind_host,
             "--port", str(self.http_port),
             "--kv-transfer-config", json.dumps(s.kv_transfer_config(self.run_dir)),
             *s.extra_args,
@@ -153,8 +164,11 @@ class VllmServer:
         env.update(self.spec.extra_env)
         return env
 
-    def start(self) -> None:
+    def start(self, *, idle: bool = False) -> None:
         """Launch the server in its own session; returns at once (see :meth:`wait_healthy`).
+
+        With ``idle`` it starts as background work (``SCHED_BATCH``, nice 10: a spare warming up
+        without preempting a running scenario's threads) until :meth:`promote`.
 
         Raises:
             RuntimeError: already started.
@@ -178,10 +192,34 @@ class VllmServer:
             stdin=subprocess.DEVNULL,
             start_new_session=True,
             # PDEATHSIG fires when the launching *thread* exits: only ask for it from the main thread.
-            preexec_fn=procs.child_preexec(self.spec.cpu, die_with_parent=in_main),
+            preexec_fn=procs.child_preexec(self.spec.cpu, die_with_parent=in_main, idle=idle),
             cwd=self.run_dir,
         )
         self.started_at = time.monotonic()
+        self.idle = self._started_idle = idle
+
+    def promote(self) -> int:
+        """Give a server started with ``idle=True`` normal CPU priority (every thread of every
+        process, and the processes it starts later), resuming it if parked; returns the threads
+        changed."""
+        self.unpark()
+        self.idle = False
+        return procs.normal_priority(self.pids())
+
+    def park(self) -> bool:
+        """SIGSTOP a healthy background spare's whole process group, so that its busy-polling
+        threads (vLLM engines spin even when idle) take no CPU until :meth:`promote`; returns
+        whether it was parked (only a started, idle, healthy, unparked spare is)."""
+        if self.proc is None or not self.idle or self.parked or not self.alive() or not self.healthy(1.0):
+            return False
+        self.parked = procs.signal_group(self.proc.pid, signal.SIGSTOP)
+        return self.parked
+
+    def unpark(self) -> None:
+        """SIGCONT a parked spare (no-op otherwise)."""
+        if self.parked and self.proc is not None:
+            procs.signal_group(self.proc.pid, signal.SIGCONT)
+        self.parked = False
 
     def alive(self) -> bool:
         """Whether the API server process is still running."""
@@ -202,8 +240,12 @@ class VllmServer:
         """
         if self.proc is None or self.started_at is None:
             raise RuntimeError(f"server {self.spec.name} not started")
-        deadline = self.started_at + timeout_s
+        if self.idle:
+            raise RuntimeError(f"server {self.spec.name} is a spare started idle: promote() it first")
+        deadline = time.monotonic() + timeout_s if self._started_idle else self.started_at + timeout_s
         while time.monotonic() < deadline:
+            if self._started_idle:
+                procs.normal_priority(self.pids())  # processes it spawned since promote()
             if not self.alive():
                 raise ServerStartError(
                     f"{self.spec.name} exited with code {self.proc.returncode} while starting; "
@@ -222,6 +264,18 @@ class VllmServer:
         if self.proc is None:
             return []
         return sorted(p.pid for p in procs.group_processes(self.proc.pid, self.proc.pid))
+
+    def api_server_pid(self) -> int | None:
+        """The pid of the Python API server process itself (inside any launch wrappers), or None."""
+        import psutil
+
+        for pid in self.pids():
+            try:
+                if "vllm.entrypoints" in " ".join(psutil.Process(pid).cmdline()):
+                    return pid
+            except psutil.Error:
+                continue
+        return None
 
     def pin(self) -> int:
         """Pin every thread of every process to the spec's core; returns threads pinned (0 if unpinned)."""
@@ -242,11 +296,13 @@ class VllmServer:
 
     def begin_stop(self) -> None:
         """Send SIGTERM to the whole group without waiting (see :meth:`stop`)."""
+        self.unpark()
         if self.proc is not None:
             procs.signal_group(self.proc.pid, signal.SIGTERM)
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM the group, SIGKILL after ``grace_s`` seconds; idempotent."""
+        self.unpark()  # a stopped process would sit on the SIGTERM until the SIGKILL
         if self.proc is not None:
             procs.terminate_group(self.proc.pid, self.proc.pid, grace_s=grace_s)
             try:
@@ -266,15 +322,25 @@ class VllmServer:
 
     # -- introspection ---------------------------------------------------------------------
     def metrics(self, timeout_s: float = 5.0) -> dict[str, float]:
-        """Scrape ``/metrics``: ``{sample name: value}`` summed over label sets.
+        """Scrape ``/metrics`` (see :func:`scrape_metrics`).
 
         Raises:
             httpx.HTTPError: the server did not answer.
         """
-        response = httpx.get(f"{self.url}/metrics", timeout=timeout_s)
-        response.raise_for_status()
-        values: dict[str, float] = {}
-        for family in text_string_to_metric_families(response.text):
-            for sample in family.samples:
-                values[sample.name] = values.get(sample.name, 0.0) + sample.value
-        return values
+        return scrape_metrics(self.url, timeout_s)
+
+
+def scrape_metrics(url: str, timeout_s: float = 5.0) -> dict[str, float]:
+    """Scrape ``<url>/metrics`` (Prometheus text format): ``{sample name: value}`` summed over
+    label sets.
+
+    Raises:
+        httpx.HTTPError: the server did not answer (or not with 200) within ``timeout_s`` seconds.
+    """
+    response = httpx.get(f"{url}/metrics", timeout=timeout_s)
+    response.raise_for_status()
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    return values

@@ -13,6 +13,7 @@ vllm 0.32.0 ``base_worker.py: _reqs_to_send``); every event records it as ``leas
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
@@ -73,6 +74,8 @@ class LeaseSpanRecorder:
         self._clock = clock
         self._max_extend_events = max_extend_events
         self._open: dict[str, _OpenLease] = {}
+        self._ended: OrderedDict[str, tuple[str, float]] = OrderedDict()  # req_id -> (outcome, end s)
+        self._ended_memory = 65536
 
     # -- queries ---------------------------------------------------------------------------
     def has(self, req_id: str) -> bool:
@@ -176,6 +179,28 @@ class LeaseSpanRecorder:
         """End the lease with outcome ``aborted`` (freed neither by release nor expiry). False if unknown."""
         return self._end(req_id, sc.OUTCOME_ABORTED, sc.EVENT_ABORT, now, reason=reason)
 
+    def late_read(self, req_id: str, *, remote_agent: str | None = None, now: float | None = None) -> bool:
+        """Record a read completion for a lease that already ended (a zero-length
+        ``kv_lease_late_read`` span). False (nothing recorded) if ``req_id`` is open or unknown."""
+        ended = self._ended.get(req_id)
+        if ended is None or req_id in self._open:
+            return False
+        now = self._clock() if now is None else now
+        outcome, end_s = ended
+        attributes = {
+            sc.REQUEST_ID: req_id,
+            sc.ENGINE_ID: self._engine_id,
+            sc.TP_RANK: self._tp_rank,
+            sc.ENDED_OUTCOME: outcome,
+            sc.END_MONOTONIC_S: end_s,
+            sc.EV_MONOTONIC_S: now,
+            sc.LATE_BY_S: now - end_s,
+        }
+        if remote_agent:
+            attributes[sc.REMOTE_AGENT] = remote_agent
+        self._tracer.start_span(sc.LATE_READ_SPAN_NAME, attributes=attributes).end()
+        return True
+
     def abort_all(self, reason: str) -> int:
         """Abort every open lease (worker shutdown); returns how many were open."""
         ids = list(self._open)
@@ -224,4 +249,7 @@ class LeaseSpanRecorder:
             attributes[sc.ABORT_REASON] = reason
         span.set_attributes(attributes)
         span.end()
+        self._ended[req_id] = (outcome, now)
+        while len(self._ended) > self._ended_memory:
+            self._ended.popitem(last=False)
         return True

@@ -9,6 +9,10 @@ clock P's lease deadlines live on); span timestamps themselves are wall-clock na
 LEASE_SPAN_NAME = "kv_lease"
 """One span per lease per P worker (TP rank), from grant to its end."""
 
+LATE_READ_SPAN_NAME = "kv_lease_late_read"
+"""A zero-length span: a read completion arrived for a lease P had already expired (the read may
+have used freed blocks; DESIGN.md invariant 5)."""
+
 # Span events, one per lease transition (etcd lessor.go names every transition the same way).
 EVENT_GRANT = "grant"
 EVENT_EXTEND = "extend"
@@ -44,6 +48,8 @@ OUTCOME = "leasekit.outcome"
 ABORT_REASON = "leasekit.abort_reason"
 RECLAIM_LAG_S = "leasekit.reclaim_lag_s"
 STEP_GAP_S = "leasekit.step_gap_s"
+LATE_BY_S = "leasekit.late_by_s"
+ENDED_OUTCOME = "leasekit.ended_outcome"
 
 # Event attributes.
 EV_MONOTONIC_S = "leasekit.monotonic_s"

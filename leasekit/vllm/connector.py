@@ -19,6 +19,7 @@ Telemetry errors are logged (rate-limited) and never raised into the engine loop
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 from typing import TYPE_CHECKING, Any
@@ -50,6 +51,7 @@ from vllm.logger import init_logger  # noqa: E402
 from leasekit.lease.config import DEFAULT_LEASE_DURATION_S, LeaseTiming  # noqa: E402
 from leasekit.telemetry.lease_spans import LeaseSpanRecorder  # noqa: E402
 from leasekit.telemetry.provider import build_tracer_provider  # noqa: E402
+from leasekit.vllm.faultpoints import FaultPoints  # noqa: E402
 
 check_hooks(NixlPullConnectorWorker, REQUIRED_WORKER_METHODS)
 check_hooks(NixlPullConnectorScheduler, REQUIRED_SCHEDULER_METHODS)
@@ -122,6 +124,13 @@ class _NotificationTap:
         return getattr(self._wrapped, name)
 
 
+class _HeartbeatBatch:
+    """Minimal metadata carrying a delayed ``heartbeat_by_engine`` (all ``_send_heartbeats`` reads)."""
+
+    def __init__(self, heartbeat_by_engine: dict):
+        self.heartbeat_by_engine = heartbeat_by_engine
+
+
 class LeaseKitPullScheduler(NixlPullConnectorScheduler):
     """Scheduler side: stock behaviour; also hands each new lease's KV block count to the workers."""
 
@@ -177,6 +186,10 @@ class LeaseKitPullWorker(NixlPullConnectorWorker):
         self.nixl_wrapper = self._lk_tap
         self._lk_last_step: float | None = None
         self._lk_step_gap: float | None = None
+        self._lk_faults = FaultPoints.from_env(self.tp_rank)
+        if self._lk_faults.enabled:
+            self._lk_faults.write_state()  # first clock probe
+            logger.warning("LeaseKitConnector fault points ENABLED (%s): for chaos testing only", self._lk_faults.path)
         logger.info(
             "LeaseKitConnector worker tp_rank=%d engine=%s: L=%s s, H=%s s, E=%s s; lease spans -> %s",
             self.tp_rank,
@@ -189,7 +202,11 @@ class LeaseKitPullWorker(NixlPullConnectorWorker):
 
     # -- grant -----------------------------------------------------------------------------
     def start_load_kv(self, metadata: Any) -> None:
-        """Stock ``start_load_kv``, then a grant for each new ``_reqs_to_send`` entry."""
+        """Stock ``start_load_kv``, then a grant for each new ``_reqs_to_send`` entry.
+
+        With fault points enabled, a configured forward-pass stall sleeps here first."""
+        if self._lk_faults.enabled:
+            self._lk_apply_stall()
         super().start_load_kv(metadata)
         if not metadata.reqs_to_send:
             return
@@ -201,6 +218,46 @@ class LeaseKitPullWorker(NixlPullConnectorWorker):
                     self._lk.grant(req_id, deadline, kv_blocks=blocks.get(req_id))
         except Exception as exc:  # telemetry must never stop the engine
             self._lk_errors.report("grant", exc)
+
+    def _lk_apply_stall(self) -> None:
+        faults = self._lk_faults
+        faults.poll()
+        stall = faults.forward_stall()
+        if stall > 0:
+            start = time.perf_counter()
+            time.sleep(stall)
+            faults.record_stall(start, time.perf_counter())
+
+    # -- heartbeats (D side) ---------------------------------------------------------------
+    def _send_heartbeats(self, metadata: Any) -> None:
+        """Stock heartbeat sending; with fault points enabled, batches may be dropped, delayed or
+        duplicated here, in the send path, with real NIXL underneath."""
+        faults = self._lk_faults
+        if not faults.enabled:
+            super()._send_heartbeats(metadata)
+            return
+        now = time.perf_counter()
+        while faults.delayed and faults.delayed[0][0] <= now:
+            _, batch = faults.delayed.pop(0)
+            super()._send_heartbeats(_HeartbeatBatch(batch))
+        batch = metadata.heartbeat_by_engine
+        if not batch:
+            return
+        ids = sorted(rid for info in batch.values() for rid in info.req_ids)
+        action, copies, delay = faults.heartbeat_action()
+        if action == "drop":
+            faults.record_heartbeat("drop", ids)
+        elif action == "delay":
+            frozen = {engine: copy.copy(info) for engine, info in batch.items()}
+            for info in frozen.values():
+                info.req_ids = set(info.req_ids)
+            faults.delayed.append((now + delay, frozen))
+            faults.delayed.sort(key=lambda item: item[0])
+            faults.record_heartbeat("delay", ids)
+        else:
+            for _ in range(copies):
+                super()._send_heartbeats(metadata)
+            faults.record_heartbeat("send", ids, copies)
 
     # -- step bookkeeping ------------------------------------------------------------------
     def get_transfer_results(self) -> Any:
@@ -236,18 +293,18 @@ class LeaseKitPullWorker(NixlPullConnectorWorker):
 
     # -- retrieval / release ---------------------------------------------------------------
     def _get_new_notifs(self) -> set[str]:
-        """Stock notification handling, then retrieval and release events."""
+        """Stock notification handling, then retrieval, release and late-read records."""
         done = super()._get_new_notifs()
         try:
-            if self._lk.active:
-                for agent, msgs in self._lk_tap.last_batch.items():
-                    for msg in msgs:
-                        if msg.startswith(_HEARTBEAT_PREFIX):
-                            continue
-                        req_id = msg.decode("utf-8", "replace").rsplit(":", 1)[0]
-                        self._lk.retrieval(req_id, remote_agent=agent)
-                for req_id in done:
-                    self._lk.release(req_id)
+            for agent, msgs in self._lk_tap.last_batch.items():
+                for msg in msgs:
+                    if msg.startswith(_HEARTBEAT_PREFIX):
+                        continue
+                    req_id = msg.decode("utf-8", "replace").rsplit(":", 1)[0]
+                    if not self._lk.retrieval(req_id, remote_agent=agent):
+                        self._lk.late_read(req_id, remote_agent=agent)
+            for req_id in done:
+                self._lk.release(req_id)
         except Exception as exc:
             self._lk_errors.report("release", exc)
         return done

@@ -1,4 +1,6 @@
-"""The main job end to end: ``leasekit chaos run kill-decode`` on a real P/D pair (CLI subprocess)."""
+"""The chaos CLI end to end on a real P/D pair (subprocess): ``leasekit chaos run kill-decode``, and
+Ctrl-C at the worst moments, including an interrupted ``--all`` while a freezer cgroup, a network
+namespace and an nftables rule are in force."""
 
 import json
 import os
@@ -31,40 +33,13 @@ def processes_mentioning(text: str) -> list[psutil.Process]:
     return [p for p in found if p.pid != os.getpid()]
 
 
-def test_kill_decode_passes_with_spans_inside_the_bound(vllm_available, tmp_path):
-    run_dir = tmp_path / "run"
-    done = subprocess.run([LEASEKIT, "chaos", "run", "kill-decode", "--run-dir", str(run_dir)],
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "kill-decode: PASS" in done.stdout
-    for column in ("last HB", "fault", "not before", "reclaimed", "bound", "margin"):
-        assert column in done.stdout
-    report = json.loads((run_dir / "report.json").read_text())
-    assert report["status"] == "completed" and report["verdict"] == "PASS"
-    steady, fault = report["phases"]
-    assert fault["fault"]["signal"] == "SIGKILL" and fault["fault"]["survivors"] == []
+def start_until(argv: list[str], moment: str, timeout_s: float = 600) -> subprocess.Popen:
+    """Start the CLI and return once a progress line (stderr) contains ``moment``.
 
-    # Read P's spans ourselves (not the runner's verdicts): grant, extends, an expired end in bound.
-    leases = {lease.request_id: lease for lease in read_leases(run_dir / "spans")[0]}
-    timing = LeaseTiming.from_lease_duration(6)
-    for rid in fault["request_ids"]:
-        lease = leases[rid]
-        names = [name for name, _ in lease.events]
-        assert names[0] == "grant" and names[-1] == "expire" and "extend" in names
-        assert lease.outcome == "expired" and lease.heartbeat_count >= 1
-        assert lease.end_s <= reclaim_bound(timing, lease.grant_s, lease.last_heartbeat_s, 0.5)
-        assert lease.end_s >= lease.last_heartbeat_s + timing.extension_s - 1e-3
-    for rid in steady["request_ids"]:
-        assert leases[rid].outcome == "released" and leases[rid].retrievals == 1
-    assert not processes_mentioning(str(run_dir.resolve()))
-
-
-@pytest.mark.parametrize("moment, delay_s", [("steady state:", 3.0), ("fault:", 0.3)])
-def test_sigint_mid_scenario_tears_down_and_reports_interrupted(vllm_available, tmp_path, moment, delay_s):
-    """Ctrl-C while leases are held (steady state), and right after the kill went out (fault)."""
-    run_dir = (tmp_path / "run").resolve()
-    proc = subprocess.Popen([LEASEKIT, "chaos", "run", "kill-decode", "--run-dir", str(run_dir)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    Raises:
+        AssertionError: it never did (the last progress lines are in the message; the CLI is killed).
+    """
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seen: list[str] = []
     ready = threading.Event()
 
@@ -75,11 +50,15 @@ def test_sigint_mid_scenario_tears_down_and_reports_interrupted(vllm_available, 
                 ready.set()
 
     threading.Thread(target=read_progress, daemon=True).start()
+    if not ready.wait(timeout_s):
+        proc.kill()
+        raise AssertionError("".join(seen)[-3000:])
+    return proc
+
+
+def interrupt(proc: subprocess.Popen, run_dir: Path) -> dict:
+    """SIGINT the CLI; it must exit 130 and leave an "interrupted" report; returns the report."""
     try:
-        assert ready.wait(600), "".join(seen)[-3000:]
-        servers = processes_mentioning(str(run_dir))
-        assert len(servers) >= 3  # API server, engine core and worker of P (and of D before the kill)
-        time.sleep(delay_s)
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=180)
     finally:
@@ -87,12 +66,131 @@ def test_sigint_mid_scenario_tears_down_and_reports_interrupted(vllm_available, 
             proc.kill()
     assert proc.returncode == 130, out[-2000:]
     report = json.loads((run_dir / "report.json").read_text())
-    assert report["status"] == "interrupted" and report["verdict"] == "UNKNOWN"
-    last = report["phases"][-1]
-    assert last["request_ids"] and "interrupted" in " ".join(last["notes"])
-    if moment == "fault:":  # the kill had been sent: its record must survive the interruption
-        assert last["name"] == "fault" and last["fault"]["signal"] == "SIGKILL"
-        assert last["fault"]["injected_monotonic_s"] is not None
+    assert report["status"] == "interrupted", report
+    return report
+
+
+def test_kill_decode_passes_with_spans_inside_the_bound(vllm_available, tmp_path):
+    run_dir = tmp_path / "run"
+    done = subprocess.run([LEASEKIT, "chaos", "run", "kill-decode", "--target", "leasekit", "--run-dir", str(run_dir)],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "kill-decode / leasekit: PASS" in done.stdout
+    for column in ("last HB", "fault", "not before", "reclaimed", "bound", "margin"):
+        assert column in done.stdout
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["status"] == "completed" and report["verdict"] == "PASS"
+    assert report["matrix"] == {"kill-decode": {"leasekit": {"verdict": "PASS", "expected": "PASS"}}}
+    (result,) = report["results"]
+    (kill,) = result["faults"]
+    assert kill["signal"] == "SIGKILL" and kill["survivors"] == []
+    assert result["steady_state"]["verdict"] == "PASS"
+    assert Path(result["plot"]).stat().st_size > 10_000  # the timeline PNG
+    junit = (run_dir / "junit.xml").read_text()
+    assert 'name="kill-decode[leasekit]"' in junit and "<failure" not in junit
+
+    # Read P's spans ourselves (not the runner's verdicts): grant, extends, an expired end in bound.
+    (pair_dir,) = report["pairs"]
+    leases = {lease.request_id: lease for lease in read_leases(Path(pair_dir) / "spans")[0]}
+    timing = LeaseTiming.from_lease_duration(6)
+    for rid in result["request_ids"]:
+        lease = leases[rid]
+        names = [name for name, _ in lease.events]
+        assert names[0] == "grant" and names[-1] == "expire" and "extend" in names
+        assert lease.outcome == "expired" and lease.heartbeat_count >= 1
+        assert lease.end_s <= reclaim_bound(timing, lease.grant_s, lease.last_heartbeat_s, 0.5)
+        assert lease.end_s >= lease.last_heartbeat_s + timing.extension_s - 1e-3
+    released = [lease for lease in leases.values() if lease.request_id not in result["request_ids"] and lease.outcome == "released"]
+    assert len(released) >= 4 and all(lease.retrievals == 1 for lease in released)  # the steady state
+    assert not processes_mentioning(str(run_dir.resolve()))
+
+
+@pytest.mark.parametrize("moment, delay_s", [("steady state", 3.0), ("SIGKILL sent", 0.3)])
+def test_sigint_mid_scenario_tears_down_and_reports_interrupted(vllm_available, tmp_path, moment, delay_s):
+    """Ctrl-C while leases are held (steady state), and right after the kill went out (fault)."""
+    run_dir = (tmp_path / "run").resolve()
+    proc = start_until([LEASEKIT, "chaos", "run", "kill-decode", "--target", "leasekit", "--run-dir", str(run_dir)], moment)
+    try:
+        servers = processes_mentioning(str(run_dir))
+        assert len(servers) >= 3  # API server, engine core and worker of P (and of D before the kill)
+        time.sleep(delay_s)
+    finally:
+        report = interrupt(proc, run_dir)
+    assert report["verdict"] == "UNKNOWN"
+    (last,) = report["results"]
+    assert last["verdict"] == "UNKNOWN" and "interrupted" in " ".join(last["notes"])
+    if moment == "SIGKILL sent":  # the kill had been sent: its record must survive the interruption
+        assert last["request_ids"]
+        (kill,) = last["faults"]
+        assert kill["signal"] == "SIGKILL" and kill["injected_monotonic_s"] is not None
     psutil.wait_procs(servers, timeout=10)
     assert not [p for p in servers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not processes_mentioning(str(run_dir))
+
+
+TEARDOWN_PROBE = """
+name = "teardown-probe"
+description = "a partition and a freezer stall in force at once, to be interrupted"
+incident = "K11"
+[topology]
+targets = ["leasekit"]
+[launch]
+network_namespace = true
+[steady_state]
+enabled = false
+[[faults]]
+kind = "partition"
+target = "prefill"
+after_s = 0
+duration_s = 120
+[[faults]]
+kind = "stall"
+method = "freezer"
+target = "decode"
+after_s = 1
+duration_s = 120
+[expect]
+checks = ["liveness"]
+"""
+
+
+def leftovers() -> dict[str, list[str]]:
+    """Everything of leasekit's a run can leave on the host: namespaces (and the nftables rules in
+    them), veth links, cgroups, and host nftables tables."""
+    from leasekit.chaos.faults._cgroup import leftover_cgroups
+    from leasekit.chaos.faults.netns import list_leftovers
+
+    found = list_leftovers()
+    found["cgroups"] = [str(path) for _, path, _ in leftover_cgroups()]
+    tables = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True).stdout
+    found["host nft tables"] = [t for t in tables.splitlines() if "leasekit" in t]
+    return found
+
+
+def test_interrupted_all_leaves_no_process_namespace_rule_or_cgroup(vllm_available, tmp_path):
+    """``--all`` over a catalog whose scenario holds a network namespace, an nftables rule and a
+    frozen cgroup at once; SIGINT while all are in force; nothing of them may survive."""
+    assert not any(leftovers().values()), leftovers()  # a clean start, or the test proves nothing
+    catalog = tmp_path / "catalog"
+    catalog.mkdir()
+    (catalog / "teardown-probe.toml").write_text(TEARDOWN_PROBE)
+    run_dir = (tmp_path / "run").resolve()
+    proc = start_until([LEASEKIT, "chaos", "run", "--all", "--catalog", str(catalog), "--run-dir", str(run_dir)],
+                       "stopped (freezer)")
+    try:
+        time.sleep(1.0)
+        during = leftovers()
+        assert during["namespaces"] and during["cgroups"], during
+        ruleset = subprocess.run(["ip", "netns", "exec", during["namespaces"][0], "nft", "list", "ruleset"],
+                                 capture_output=True, text=True).stdout
+        assert " drop" in ruleset, ruleset
+        servers = processes_mentioning(str(run_dir))
+        assert len(servers) >= 4
+    finally:
+        report = interrupt(proc, run_dir)
+    (result,) = report["results"]
+    assert sorted(f["kind"] for f in result["faults"]) == ["freezer", "nft"]
+    psutil.wait_procs(servers, timeout=10)
+    assert not [p for p in servers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not processes_mentioning(str(run_dir))
+    assert not any(leftovers().values()), leftovers()

@@ -31,7 +31,10 @@ def test_chaos_list_and_unknown_scenario(capsys):
     assert main(["chaos", "list"]) == 0
     assert "kill-decode" in capsys.readouterr().out
     assert main(["chaos", "run", "no-such-scenario"]) == 2
-    assert "known: kill-decode" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "known:" in err and "kill-decode" in err and "stall-decode-long" in err
+    assert main(["chaos", "run"]) == 2
+    assert "pass --all" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv", [["bounds", "--tick", "nan"], ["bounds", "--tick", "-1"], ["chaos", "run", "kill-decode", "--start-timeout", "-5"]])
@@ -44,8 +47,14 @@ def test_out_of_range_seconds_are_usage_errors(argv, capsys):
 def test_unusable_inputs_are_refused_before_anything_starts(tmp_path, capsys):
     assert main(["chaos", "run", "kill-decode", "--run-dir", "/dev/null/x"]) == 2
     assert "not a writable directory" in capsys.readouterr().err
-    assert main(["chaos", "run", "kill-decode", "--prefill-connector", "stock"]) == 2
-    assert "stock P emits no lease spans" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        main(["chaos", "run", "kill-decode", "--target", "vanilla"])
+    assert info.value.code == 2 and "'leasekit', 'stock'" in capsys.readouterr().err
+    only_leasekit = tmp_path / "only-leasekit.toml"
+    only_leasekit.write_text('name = "only-leasekit"\ndescription = "d"\nincident = "K01"\n[topology]\n'
+                             'targets = ["leasekit"]\n[[faults]]\nkind = "none"\n[expect]\nchecks = ["all_served"]\n')
+    assert main(["chaos", "run", str(only_leasekit), "--target", "stock", "--run-dir", str(tmp_path / "r")]) == 2
+    assert "none of the scenarios runs on target(s) stock" in capsys.readouterr().err
     binary = tmp_path / "b.toml"
     binary.write_bytes(b"\x00\xff\xfe")
     assert main(["chaos", "run", str(binary)]) == 2

@@ -41,3 +41,20 @@ def test_pin_threads_sets_affinity():
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_background_children_run_batch_at_nice_10_until_given_normal_priority():
+    child = subprocess.Popen([sys.executable, "-c", "import threading, time; threading.Thread(target=time.sleep, args=(30,)).start(); time.sleep(30)"],
+                             preexec_fn=procs.child_preexec(None, die_with_parent=False, idle=True))
+    try:
+        time.sleep(0.5)
+        tids = [int(t) for t in os.listdir(f"/proc/{child.pid}/task")]
+        assert len(tids) >= 2
+        assert all(os.sched_getscheduler(t) == os.SCHED_BATCH for t in tids)
+        assert all(os.getpriority(os.PRIO_PROCESS, t) == procs.BACKGROUND_NICE for t in tids)
+        assert procs.normal_priority([child.pid]) == len(tids)
+        assert all(os.sched_getscheduler(t) == os.SCHED_OTHER and os.getpriority(os.PRIO_PROCESS, t) == 0 for t in tids)
+        assert procs.normal_priority([child.pid]) == 0  # nothing left to change
+    finally:
+        child.kill()
+        child.wait()

@@ -1,5 +1,7 @@
 """Scenario files: the catalog loads; bad input names the field and the allowed range."""
 
+import re
+
 import pytest
 
 from leasekit.chaos.scenario import ScenarioError, find_scenario, list_scenarios, load_scenario
@@ -10,6 +12,8 @@ description = "d"
 incident = "K01"
 [[faults]]
 kind = "kill"
+[expect]
+checks = ["bounded_reclaim"]
 """
 
 
@@ -40,7 +44,9 @@ def test_kill_decode_defaults():
         ("[lease]\nduration_s = -1", "lease.duration_s", "greater than 0"),
         ("[lease]\ntick_s = 100", "lease.tick_s", "less than or equal to 60"),
         ("[workload]\nrequests = 0", "workload.requests", "greater than or equal to 1"),
-        ("[topology]\ndecode_connector = 'mine'", "topology.decode_connector", "'leasekit' or 'stock'"),
+        ("[topology]\ntargets = ['mine']", "topology.targets.0", "'leasekit' or 'stock'"),
+        ("[workload]\nkind = 'flood'", "workload.kind", "'queued', 'overload' or 'abort_storm'"),
+        ("[[faults]]\nkind = 'stall'\nduration_s = 0", "faults.1.stall.duration_s", "greater than 0"),
         ("[lease]\nduraton_s = 6", "lease.duraton_s", "Extra inputs are not permitted"),
     ],
 )
@@ -53,8 +59,10 @@ def test_bad_fields_are_named_with_the_allowed_range(tmp_path, extra, field, hin
 def test_bad_incident_and_fault_kind(tmp_path):
     with pytest.raises(ScenarioError, match="incident"):
         load_scenario(write(tmp_path, GOOD.replace("K01", "K99")))
-    with pytest.raises(ScenarioError, match="faults.0.kind"):
+    with pytest.raises(ScenarioError, match="faults.0"):
         load_scenario(write(tmp_path, GOOD.replace('"kill"', '"flood"')))
+    with pytest.raises(ScenarioError, match="expect.checks"):
+        load_scenario(write(tmp_path, GOOD.replace('checks = ["bounded_reclaim"]', 'checks = ["vibes"]')))
 
 
 def test_not_toml_and_missing(tmp_path):
@@ -71,8 +79,8 @@ def test_unknown_name_lists_the_known_ones(tmp_path):
 
 
 def test_overrides_are_validated():
-    s = find_scenario("kill-decode").with_overrides(lease_duration_s=12, decode_connector="stock")
-    assert s.lease.timing().extension_s == 8 and s.topology.decode_connector == "stock"
+    s = find_scenario("kill-decode").with_overrides(lease_duration_s=12, targets=["stock"])
+    assert s.lease.timing().extension_s == 8 and s.topology.targets == ["stock"]
     with pytest.raises(ScenarioError, match="lease.duration_s"):
         find_scenario("kill-decode").with_overrides(lease_duration_s=0)
 
@@ -91,3 +99,44 @@ def test_no_silent_type_coercion(tmp_path, extra, field):
 def test_errors_give_both_ends_of_the_range(tmp_path):
     with pytest.raises(ScenarioError, match=r"allowed: 0 <= value <= 60"):
         load_scenario(write(tmp_path, GOOD + "[lease]\ntick_s = nan"))
+
+
+def test_partition_needs_a_namespace_and_a_cold_pair_for_first_handshake(tmp_path):
+    partition = GOOD.replace('kind = "kill"', 'kind = "partition"\nduration_s = 5\nfirst_handshake = true')
+    with pytest.raises(ScenarioError, match="network_namespace"):
+        load_scenario(write(tmp_path, partition))
+    with pytest.raises(ScenarioError, match="warm_up = false"):
+        load_scenario(write(tmp_path, partition + "[launch]\nnetwork_namespace = true\n"))
+    ok = load_scenario(write(tmp_path, partition + "[launch]\nnetwork_namespace = true\nwarm_up = false\n"))
+    assert ok.fault_after_s(ok.faults[0]) == 0.0
+
+
+def test_every_catalog_scenario_names_its_checks_and_incident():
+    for name in list_scenarios():
+        s = find_scenario(name)
+        assert s.expect.checks and s.incident.startswith("K")
+        for target in s.topology.targets:
+            if s.expect.verdict_for(target) == "FAIL":  # an expected FAIL must say which defect
+                assert getattr(s.expect, f"known_defect_{target}"), (name, target)
+
+
+@pytest.mark.parametrize("text, message", [
+    (GOOD.replace('kind = "kill"', 'kind = "heartbeats"\ntarget = "prefill"') + "[topology]\ntargets = ['leasekit']\n",
+     "faults.0.target: heartbeat faults live in D's send path"),
+    (GOOD.replace('kind = "kill"', 'kind = "heartbeats"'), "set expect.stock = 'UNKNOWN'"),
+    (GOOD.replace('kind = "kill"', 'kind = "kill"\ntarget = "prefill"\nrestart_after_s = 1'), "only a killed D is restarted"),
+    (GOOD + "[topology]\ndecode_max_num_seqs = 4\n", "decode_max_num_seqs must be 1"),
+    (GOOD + "[workload]\ncancel_queued_fraction = 0.6\nnever_decode_fraction = 0.6\n", "must be <= 1"),
+    (GOOD.replace('checks = ["bounded_reclaim"]', 'checks = ["liveness", "liveness"]'), "each check once"),
+    (GOOD.replace('checks = ["bounded_reclaim"]', 'checks = ["bounded_reclaim"]\nstock = "FAIL"'), "known_defect_stock"),
+    (GOOD.replace('checks = ["bounded_reclaim"]', 'checks = ["bounded_reclaim"]\nstock = "FAIL"\nknown_defect_stock = "x"'),
+     "failing_checks"),
+])
+def test_contradictions_are_refused(tmp_path, text, message):
+    with pytest.raises(ScenarioError, match=re.escape(message)):
+        load_scenario(write(tmp_path, text))
+
+
+def test_name_must_match_the_file(tmp_path):
+    with pytest.raises(ScenarioError, match="must match the file name 'y'"):
+        load_scenario(write(tmp_path, GOOD, name="y"))

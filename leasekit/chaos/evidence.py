@@ -1,0 +1,110 @@
+"""Evidence for the checks: P's lease timelines and late reads, on one clock, per target.
+
+- ``leasekit`` target: P's lease spans (``spans/*.jsonl``); times are P's ``perf_counter``.
+- ``stock`` target: P's own vLLM log lines with millisecond epoch timestamps (the servers run with
+  :func:`leasekit.telemetry.vllm_log.write_logging_config`); times are P's wall clock.
+
+Instants measured by the runner (a fault, an HTTP answer) are converted to that clock: to P's
+monotonic clock by the measured time-namespace offset, or to the wall clock directly (same host;
+if P runs under libfaketime its log clock is not the host's and the conversion is refused).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from leasekit.chaos.leases import LeaseTimeline, lease_timelines
+from leasekit.cluster.clocks import to_process_monotonic
+from leasekit.cluster.pair import PDPair
+from leasekit.lease.config import LeaseTiming
+from leasekit.telemetry import semconv as sc
+from leasekit.telemetry.spanfile import read_span_dir
+from leasekit.telemetry.vllm_log import parse_stock_lease_log
+
+
+class ClockMismatch(RuntimeError):
+    """The runner cannot place its instants on P's evidence clock (e.g. P's wall clock is faked)."""
+
+
+@dataclass
+class Evidence:
+    """P's view of the workload's leases.
+
+    Attributes:
+        source: ``spans`` or ``vllm-log``.
+        clock: ``monotonic`` (P's perf_counter) or ``wall`` (P's epoch seconds).
+        leases: ended leases of the workload's requests.
+        open_ids: workload requests with no ended lease.
+        late_reads: request id -> when P saw a read completion after the lease had ended.
+        unparsable: span or log lines that could not be parsed.
+    """
+
+    source: str
+    clock: str
+    leases: list[LeaseTimeline] = field(default_factory=list)
+    open_ids: list[str] = field(default_factory=list)
+    late_reads: dict[str, float] = field(default_factory=dict)
+    unparsable: int = 0
+
+
+class EvidenceReader:
+    """Reads evidence for ``target`` from ``pair`` and converts runner instants to its clock."""
+
+    def __init__(self, pair: PDPair, target: str, timing: LeaseTiming):
+        self.pair, self.target, self.timing = pair, target, timing
+
+    @property
+    def clock(self) -> str:
+        return "monotonic" if self.target == "leasekit" else "wall"
+
+    def read(self, request_ids: list[str]) -> Evidence:
+        """Everything P recorded about ``request_ids`` so far."""
+        wanted = set(request_ids)
+        if self.target == "leasekit":
+            result = read_span_dir(self.pair.span_dir)
+            leases = [l for l in lease_timelines(result.spans) if l.request_id in wanted]
+            late = {}
+            for span in result.spans:
+                rid = span.attributes.get(sc.REQUEST_ID)
+                if span.name == sc.LATE_READ_SPAN_NAME and rid in wanted:
+                    late.setdefault(rid, float(span.attributes[sc.EV_MONOTONIC_S]))
+            evidence = Evidence("spans", "monotonic", leases, late_reads=late, unparsable=result.bad_lines)
+        else:
+            text = self.pair.prefill.log_path.read_text(errors="replace") if self.pair.prefill.log_path.exists() else ""
+            parsed = parse_stock_lease_log(text, lease_duration_s=self.timing.lease_duration_s, extension_s=self.timing.extension_s)
+            leases = [l for l in parsed.leases if l.request_id in wanted]
+            late = {rid: t for rid, t in parsed.first_late_reads().items() if rid in wanted}
+            evidence = Evidence("vllm-log", "wall", leases, late_reads=late, unparsable=parsed.bad_lines)
+        ended = {l.request_id for l in evidence.leases}
+        evidence.open_ids = [rid for rid in request_ids if rid not in ended]
+        return evidence
+
+    def wait_ended(self, request_ids: list[str], timeout_s: float) -> Evidence:
+        """Poll until every request's lease ended or ``timeout_s`` passed; the last evidence."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            evidence = self.read(request_ids)
+            if not evidence.open_ids or time.monotonic() >= deadline:
+                return evidence
+            time.sleep(0.25)
+
+    def to_p_clock(self, runner_monotonic_s: float, runner_wall_s: float) -> float:
+        """Convert an instant the runner measured (both of its clocks) to P's evidence clock.
+
+        Raises:
+            ClockMismatch: P's wall clock is faked (libfaketime), or P is gone for the offset read.
+        """
+        if self.clock == "wall":
+            if self.pair.spec.prefill_wall_offset_s or self.pair.spec.prefill_wall_rate != 1.0:
+                raise ClockMismatch("P runs under libfaketime: its log timestamps are not the host's wall clock")
+            return runner_wall_s
+        pid = self.pair.prefill.api_server_pid()
+        if pid is None and getattr(self.pair, "shares_host_clock", False):
+            return runner_monotonic_s  # an external P on this host, in its time namespace
+        if pid is None:
+            raise ClockMismatch("P's server process is not running here (an external P on another host has another clock)")
+        try:
+            return to_process_monotonic(runner_monotonic_s, pid)
+        except ProcessLookupError as exc:
+            raise ClockMismatch(f"P is gone: cannot read its time-namespace offset ({exc})") from None

@@ -1,0 +1,416 @@
+"""Run one scenario against one target on a running pair: steady state, fault run, evidence,
+checks, verdict (PASS / FAIL / UNKNOWN with the bound, the measured value and the timeline)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from leasekit.chaos import FAIL, PASS, UNKNOWN
+from leasekit.chaos.actions import Effect, FaultRun, not_injectable
+from leasekit.chaos.checks import (
+    CheckResult,
+    check_all_served,
+    check_bounded_reclaim,
+    check_conservation,
+    check_fail_closed,
+    check_liveness,
+    check_no_expiry,
+    check_steady_state,
+)
+from leasekit.chaos.evidence import ClockMismatch, Evidence, EvidenceReader
+from leasekit.chaos.plot import plot_timeline
+from leasekit.chaos.scenario import Scenario
+from leasekit.chaos.schema import PartitionFault
+from leasekit.chaos.workload import PrefillTraffic, QueuedDecodeLoad
+from leasekit.cluster.clocks import monotonic_namespace_offset_s
+from leasekit.cluster.pair import PDPair
+
+
+def target_connectors(target: str) -> dict[str, str]:
+    """The connector each side runs for ``target``."""
+    return {"prefill": target, "decode": target}
+
+
+@dataclass
+class ScenarioResult:
+    """The outcome of one scenario on one target."""
+
+    scenario: str
+    target: str
+    verdict: str
+    expected: str
+    summary: str
+    incident: str = ""
+    checks: list[CheckResult] = field(default_factory=list)
+    steady_state: CheckResult | None = None
+    effects: list[Effect] = field(default_factory=list)
+    faults: list[dict] = field(default_factory=list)
+    request_ids: list[str] = field(default_factory=list)
+    evidence_source: str | None = None
+    plot: str | None = None
+    duration_s: float = 0.0
+    notes: list[str] = field(default_factory=list)
+    known_defect: str | None = None
+    expected_failing: list[str] = field(default_factory=list)
+
+    @property
+    def as_expected(self) -> bool:
+        """The verdict is the expected one; for an expected FAIL, exactly the expected checks
+        failed (with the steady state holding), so another regression is never "as expected"."""
+        if self.verdict != self.expected:
+            return False
+        if self.verdict != FAIL:
+            return True
+        failed = {c.name for c in self.checks if c.verdict == FAIL}
+        steady_ok = self.steady_state is None or self.steady_state.verdict != FAIL
+        return steady_ok and failed == {name.replace("_", "-") for name in self.expected_failing}
+
+    def to_json(self) -> dict:
+        return {
+            "scenario": self.scenario, "target": self.target, "incident": self.incident,
+            "verdict": self.verdict, "expected": self.expected, "as_expected": self.as_expected,
+            "summary": self.summary, "known_defect": self.known_defect, "expected_failing_checks": self.expected_failing,
+            "steady_state": None if self.steady_state is None else self.steady_state.to_json(),
+            "checks": [c.to_json() for c in self.checks],
+            "effects": [e.to_json() for e in self.effects],
+            "faults": self.faults, "request_ids": self.request_ids,
+            "evidence_source": self.evidence_source, "plot": self.plot,
+            "duration_s": self.duration_s, "notes": self.notes,
+        }
+
+
+class ScenarioExecution:
+    """Executes ``scenario`` for ``target`` on ``pair``; ``steady_cache`` shares steady-state
+    results between scenarios with the same workload on the same pair."""
+
+    def __init__(self, scenario: Scenario, target: str, pair: PDPair, out_dir: Path, *,
+                 say=print, steady_cache: dict | None = None):
+        self.s, self.target, self.pair, self.out_dir, self.say = scenario, target, pair, Path(out_dir), say
+        self.timing = scenario.lease.timing()
+        self.reader = EvidenceReader(pair, target, self.timing)
+        self.steady_cache = steady_cache if steady_cache is not None else {}
+        self.result = ScenarioResult(scenario.name, target, UNKNOWN, scenario.expect.verdict_for(target), "",
+                                     incident=scenario.incident,
+                                     known_defect=getattr(scenario.expect, f"known_defect_{target}"),
+                                     expected_failing=list(scenario.expect.failing_checks))
+        self.fault_run: FaultRun | None = None
+        self.load: QueuedDecodeLoad | None = None
+
+    # -- phases ----------------------------------------------------------------------------
+    def _load(self) -> QueuedDecodeLoad:
+        w = self.s.workload
+        load = QueuedDecodeLoad(self.pair, w.requests, w.prompt_tokens, w.decode_tokens, kind=w.kind,
+                                cancel_queued_fraction=w.cancel_queued_fraction, never_decode_fraction=w.never_decode_fraction)
+        self.load = load
+        return load
+
+    def steady_state(self) -> CheckResult | None:
+        """Run the workload without the fault and check the steady-state hypothesis (None when the
+        scenario disables it). Cached per D process and workload.
+
+        Raises:
+            leasekit.chaos.workload.WorkloadError: the workload could not be set up (harness error).
+        """
+        ss = self.s.steady_state
+        if not ss.enabled:
+            return None
+        key = (self.target, str(getattr(self.pair, "run_dir", "")), getattr(self.pair.decode, "started_at", None),
+               self.s.workload.model_dump_json(), self.s.hold_decode_slot_s())  # this D process, this workload
+        if key in self.steady_cache:
+            self.result.notes.append(f"steady state reused from {self.steady_cache[key][0]} on this pair")
+            return self.steady_cache[key][1]
+        self.say(f"{self.s.name}/{self.target}: steady state (no fault)")
+        load = self._load()
+        load.start()
+        if load.kind != "overload":
+            time.sleep(max(0.0, load.queued_at + self.s.hold_decode_slot_s() - time.monotonic()))
+        load.release_slot()
+        load.wait_decodes(120)
+        evidence = self.reader.wait_ended(load.request_ids, 30)
+        check = check_steady_state(evidence.leases, [load.request_id(i) for i, x in load.intent.items() if x == "decode"],
+                                   {i: d for i, d in load.decodes.items() if load.intent[i] == "decode"},
+                                   self.timing, expiries_allowed=ss.expiries, all_served=ss.all_served)
+        self.steady_cache[key] = (self.s.name, check)
+        return check
+
+    def launch_effects(self) -> list[Effect]:
+        """Evidence that launch-time conditions (clock offsets) are really in force."""
+        effects = []
+        launch = self.s.launch
+        for role, offset in (("prefill", launch.prefill_monotonic_offset_s), ("decode", launch.decode_monotonic_offset_s)):
+            if not offset:
+                continue
+            server = self.pair.prefill if role == "prefill" else self.pair.decode
+            pid = server.api_server_pid()
+            measured = None if pid is None else monotonic_namespace_offset_s(pid)
+            effects.append(Effect(f"{role} monotonic clock +{offset:g} s", measured is not None and abs(measured - offset) < 1e-6,
+                                  f"/proc/{pid}/timens_offsets: monotonic {measured}"))
+        return effects
+
+    def wall_clock_effects(self) -> list[Effect]:
+        """Evidence that a faked wall clock (libfaketime) is in force on D: the ``created`` epoch
+        seconds of D's answers against the host's clock when they arrived."""
+        launch = self.s.launch
+        if not launch.decode_wall_offset_s and launch.decode_wall_rate == 1.0:
+            return []
+        skews = [d.created - d.done_wall_s for d in (self.load.decodes.values() if self.load else []) if d.ok and d.created]
+        if not skews:
+            return [Effect("D wall clock faked", False, "no answer from D carried a 'created' time")]
+        skew = sum(skews) / len(skews)
+        took = abs(skew) >= 0.5 * abs(launch.decode_wall_offset_s) if launch.decode_wall_offset_s else abs(skew) > 1.0
+        return [Effect(f"D wall clock {launch.decode_wall_offset_s:+g} s x{launch.decode_wall_rate:g}", took,
+                       f"D's answers say 'created' {skew:+.1f} s from the host clock ({len(skews)} answers)")]
+
+    def abort_effects(self) -> list[Effect]:
+        """For an abort storm: the requests meant to be cancelled while queued on D really were
+        (their clients gave up without an answer), so a PASS covers aborted leases."""
+        load = self.load
+        if load is None or not any(x == "cancel" for x in load.intent.values()):
+            return []
+        cancelled = [i for i, x in load.intent.items() if x == "cancel"]
+        answered = [i for i in cancelled if i in load.decodes and load.decodes[i].ok]
+        gone = [i for i in cancelled if i in load.decodes and not load.decodes[i].ok]
+        return [Effect(f"{len(cancelled)} requests cancelled while queued on D", len(gone) == len(cancelled),
+                       f"{len(gone)} gave up without an answer, {len(answered)} were answered before the cancel")]
+
+    def silence_effects(self, evidence: Evidence) -> list[Effect]:
+        """Evidence on P's side that D really went quiet: for each interval the fault run expects
+        silence in (a stall, dropped heartbeat batches), the gap between the heartbeats P handled
+        around it (any lease of this run) must be at least the expected length."""
+        run = self.fault_run
+        if run is None or not run.silences:
+            return []
+        beats = sorted({t for lease in evidence.leases for t in lease.heartbeats_s})
+        effects = []
+        for start, end, start_wall, min_gap, label in run.silences:
+            try:
+                a = self.reader.to_p_clock(start, start_wall)
+                b = a + (end - start)
+            except ClockMismatch as exc:
+                effects.append(Effect(f"P heard nothing during the {label}", False, str(exc)))
+                continue
+            mid = (a + b) / 2
+            before = [t for t in beats if t <= mid]
+            if not before:
+                effects.append(Effect(f"P heard nothing during the {label}", False,
+                                      "no heartbeat on P before the interval to measure the gap from"))
+                continue
+            after = [(t, "heartbeat") for t in beats if t > mid]
+            # a lease that expired in the silence got no heartbeat after it: the silence ends there
+            after += [(l.end_s, "expiry") for l in evidence.leases if l.outcome == "expired" and l.end_s > before[-1]]
+            if not after:
+                effects.append(Effect(f"P heard nothing during the {label}", False,
+                                      "no heartbeat (and no expiry) on P after the interval to measure the gap to"))
+                continue
+            until, what = min(after)
+            gap = until - before[-1]
+            need = min_gap if what == "heartbeat" else min(min_gap, 0.9 * float(self.timing.extension_s))
+            effects.append(Effect(f"P heard nothing during the {label}", gap >= need,
+                                  f"P heard no heartbeat for {gap:.3f} s (until the next {what}; at least {need:.3f} s expected)"))
+        return effects
+
+    def fault_phase(self) -> None:
+        """Run the workload again with the faults at their times; every fault is undone on exit.
+
+        Raises:
+            leasekit.chaos.workload.WorkloadError, leasekit.chaos.faults.FaultError: set-up or
+                injection failed (harness error).
+        """
+        s, pair = self.s, self.pair
+        self.say(f"{s.name}/{self.target}: fault run")
+        after = [s.fault_after_s(f) for f in s.faults]
+        self.fault_run = run = FaultRun(pair, list(s.faults), after, self.timing, say=self.say)
+        traffic = PrefillTraffic(pair, s.workload.prefill_rps)
+        load = self._load()
+        early = any(isinstance(f, PartitionFault) and f.first_handshake for f in s.faults)
+        try:
+            run.inject_early()
+            if early:
+                self._first_contact(load)
+            else:
+                load.start()
+                traffic.start()
+                run.run(load.queued_at)
+                run.finish_partition()
+                self._release(load, run)
+                if not run.d_killed:
+                    load.wait_decodes(120)
+        finally:
+            traffic.stop()
+            run.cleanup()
+
+    def _first_contact(self, load: QueuedDecodeLoad) -> None:
+        """Route requests while D cannot reach P's side channel; lift the partition; route one more."""
+        router = self.pair.router
+        assert router is not None
+        started = time.monotonic()
+        results = []
+        for _ in range(self.s.workload.requests):
+            prompt = self.pair.prompt(self.s.workload.prompt_tokens)
+            results.append(router.generate(prompt, self.s.workload.decode_tokens))
+        load.prefills = [r.prefill for r in results]
+        load.decodes = {i: r.decode for i, r in enumerate(results) if r.decode is not None}
+        load.intent = {i: "decode" for i in range(len(results))}
+        load.queued_at = started
+        self.fault_run.finish_partition()
+
+    def _release(self, load: QueuedDecodeLoad, run: FaultRun) -> None:
+        """Let D serve its queue: after ``hold_decode_slot_s`` if set; else once every fault is over
+        plus the whole bound, so a lease the fault made expire is expired when D reads it."""
+        if load.kind == "overload":
+            return
+        if self.s.workload.hold_decode_slot_s is not None:
+            release_at = load.queued_at + self.s.workload.hold_decode_slot_s
+        else:
+            last = max([w[1] or w[0] for w in run.windows], default=load.queued_at)
+            bound = max(float(self.timing.lease_duration_s), float(self.timing.extension_s)) + self.s.lease.tick_s
+            release_at = last + (bound + 1.0 if "fail_closed" in self.s.expect.checks else 0.0)
+        time.sleep(max(0.0, release_at - time.monotonic()))
+        load.release_slot()
+
+    # -- checks ----------------------------------------------------------------------------
+    def _checks(self, evidence: Evidence) -> list[CheckResult]:
+        load, run, s = self.load, self.fault_run, self.s
+        assert load is not None and run is not None
+        ids = load.request_ids
+        decode_ids = [load.request_id(i) for i, intent in load.intent.items() if intent == "decode"]
+        checks = []
+        for name in s.expect.checks:
+            if name == "bounded_reclaim":
+                fault_at = None
+                if run.silenced_at is not None:
+                    try:
+                        fault_at = self.reader.to_p_clock(*run.silenced_at)
+                    except ClockMismatch as exc:
+                        self.result.notes.append(str(exc))
+                        checks.append(CheckResult("bounded-reclaim", UNKNOWN, str(exc)))
+                        continue
+                wait = max(float(self.timing.lease_duration_s), float(self.timing.extension_s)) + s.lease.tick_s + 20
+                checks.append(check_bounded_reclaim(evidence.leases, ids, self.timing, s.lease.tick_s, fault_at_s=fault_at, waited_s=wait))
+            elif name == "no_expiry":
+                checks.append(check_no_expiry(evidence.leases, decode_ids, self.timing))
+            elif name == "all_served":
+                checks.append(check_all_served(load.decodes, [i for i, x in load.intent.items() if x == "decode"]))
+            elif name == "fail_closed":
+                served = {}
+                try:
+                    for index, result in load.decodes.items():
+                        if result.ok:
+                            served[load.request_id(index)] = self.reader.to_p_clock(result.done_monotonic_s, result.done_wall_s)
+                    checks.append(check_fail_closed(evidence.leases, served, evidence.late_reads))
+                except ClockMismatch as exc:
+                    checks.append(CheckResult("fail-closed", UNKNOWN, str(exc)))
+            elif name == "conservation":
+                checks.append(check_conservation(self._kv_usage_settled(), evidence.open_ids, waited_s=self._settle_s))
+            elif name == "liveness":
+                unanswered = [load.request_id(i) for i, x in load.intent.items() if x != "never" and i not in load.decodes]
+                healthy = self.pair.decode.healthy() if not run.d_killed else None
+                fresh = None
+                if not run.d_killed and self.pair.router is not None:
+                    fresh = self.pair.router.generate(self.pair.prompt(), 2).decode
+                    fresh = bool(fresh and fresh.ok)
+                answers = {load.request_id(i): f"HTTP {d.status} after {d.latency_s:.1f} s" + (f" ({(d.error or '')[:80]})" if not d.ok else "")
+                           for i, d in load.decodes.items()}
+                checks.append(check_liveness(unanswered, healthy, fresh, answers))
+        return checks
+
+    _settle_s = 0.0
+
+    def _kv_usage_settled(self) -> float | None:
+        """P's KV-cache usage once leases could all have ended (polls up to ``L + E + 5`` s)."""
+        deadline = time.monotonic() + float(self.timing.lease_duration_s) + float(self.timing.extension_s) + 5
+        start = time.monotonic()
+        value = None
+        while time.monotonic() < deadline:
+            try:
+                value = self.pair.prefill.metrics().get("vllm:kv_cache_usage_perc")
+            except httpx.HTTPError:
+                value = None
+            if value == 0:
+                break
+            time.sleep(0.5)
+        self._settle_s = time.monotonic() - start
+        return value
+
+    # -- the whole thing -------------------------------------------------------------------
+    def execute(self) -> ScenarioResult:
+        """Run every phase and decide the verdict. A scenario-level failure is a verdict, not an
+        exception.
+
+        Raises:
+            Exception: a harness error (servers, workload or fault set-up); the suite turns it into
+                an UNKNOWN result whose summary starts with "harness error".
+        """
+        started = time.monotonic()
+        r = self.result
+        reasons = [why for f in self.s.faults if (why := not_injectable(f, target_connectors(self.target)))]
+        if reasons:
+            r.verdict, r.summary = UNKNOWN, "; ".join(reasons)
+            return r
+        try:
+            r.effects.extend(self.launch_effects())
+            r.steady_state = self.steady_state()
+            if r.steady_state is not None and r.steady_state.verdict == FAIL:
+                return self._decide()  # the hypothesis does not hold: the fault would prove nothing
+            self.fault_phase()
+            r.request_ids = self.load.request_ids if self.load else []
+            wait = max(float(self.timing.lease_duration_s), float(self.timing.extension_s)) + self.s.lease.tick_s + 20
+            evidence = self.reader.wait_ended(r.request_ids, wait)
+            r.evidence_source = evidence.source
+            r.effects.extend(self.fault_run.effects if self.fault_run else [])
+            r.effects.extend(self.wall_clock_effects())
+            r.effects.extend(self.silence_effects(evidence))
+            r.effects.extend(self.abort_effects())
+            r.faults = self.fault_run.records if self.fault_run else []
+            r.checks = self._checks(evidence)
+            self._plot(evidence)
+        finally:
+            r.duration_s = time.monotonic() - started
+        return self._decide()
+
+    def _decide(self) -> ScenarioResult:
+        self.result.verdict, self.result.summary = self._verdict()
+        return self.result
+
+    def _verdict(self) -> tuple[str, str]:
+        r = self.result
+        if r.steady_state is not None and r.steady_state.verdict == FAIL:
+            return FAIL, f"steady-state hypothesis failed: {r.steady_state.summary}"
+        failed = [c for c in r.checks if c.verdict == FAIL]
+        if failed:
+            return FAIL, "; ".join(f"{c.name}: {c.summary}" for c in failed)
+        inert = [e for e in r.effects if not e.took_effect]
+        if inert:
+            return UNKNOWN, "fault did not take effect: " + "; ".join(f"{e.fault} ({e.evidence})" for e in inert)
+        unknown = [c for c in r.checks if c.verdict == UNKNOWN]
+        if unknown:
+            return UNKNOWN, "; ".join(f"{c.name}: {c.summary}" for c in unknown)
+        return PASS, "; ".join(f"{c.name}: {c.summary}" for c in r.checks)
+
+    def _plot(self, evidence: Evidence) -> None:
+        if self.fault_run is None or not evidence.leases:
+            return
+        windows = []
+        for start, end, label in self.fault_run.windows:
+            try:
+                a = self.reader.to_p_clock(start, time.time() - (time.monotonic() - start))
+                b = None if end is None else self.reader.to_p_clock(end, time.time() - (time.monotonic() - end))
+            except ClockMismatch:
+                continue
+            windows.append((a, b if b is not None else a, label))
+        bounds = {}
+        for check in self.result.checks:
+            for row in check.rows:
+                if row.bound_s is not None:
+                    bounds[row.request_id] = row.bound_s
+        path = self.out_dir / f"{self.s.name}-{self.target}.png"
+        try:
+            plot_timeline(path, evidence.leases, title=f"{self.s.name} / {self.target}", fault_windows=windows,
+                          bounds=bounds, clock_note=f"P's {'perf_counter' if evidence.clock == 'monotonic' else 'wall clock'} ({evidence.source})")
+            self.result.plot = str(path)
+        except Exception as exc:  # noqa: BLE001 - a plot must not change a verdict
+            self.result.notes.append(f"plot failed: {exc}")

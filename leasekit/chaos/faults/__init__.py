@@ -1,0 +1,42 @@
+"""The nemesis: fault injectors act on real processes and transports, never on the checks.
+
+Every injector has ``inject()``, ``recover()`` where meaningful, and an idempotent ``cleanup()``
+that always restores the system, and fills ``record`` (a dict, in place) with what it did:
+targets, and ``*_monotonic_s`` (``time.monotonic()``) / ``*_wall_s`` (``time.time()``) stamps.
+
+- :mod:`.kill`: :class:`KillFault` (whole process group or the engine core only).
+- :mod:`.stall`: :class:`SigstopStall`, :class:`FreezerStall` (cgroup v2/v1 freezer).
+- :mod:`.netns`: :class:`NetworkNamespace` with nftables rules inside it; :class:`NftFault`.
+- :mod:`.toxiproxy`: :class:`ToxiproxyClient`, :class:`ToxiproxyFault` (``TOXIPROXY_URL``).
+- :mod:`.clock`: launch-time clock faults (time-namespace prefix, libfaketime environment).
+
+Importing has no side effects; acting needs root (signals to others' processes, cgroups,
+namespaces), ``ip``/``nft``, util-linux ``unshare`` and Debian ``faketime`` as each module says.
+"""
+
+from leasekit.chaos.faults._common import FaultError
+from leasekit.chaos.faults.clock import faketime_env, time_namespace_prefix
+from leasekit.chaos.faults.kill import KillFault, find_engine_core_pids
+from leasekit.chaos.faults.netns import NetworkNamespace, NftFault
+from leasekit.chaos.faults.stall import FreezerStall, SigstopStall, detect_freezer
+from leasekit.chaos.faults.toxiproxy import (
+    ToxiproxyClient,
+    ToxiproxyError,
+    ToxiproxyFault,
+)
+
+__all__ = [
+    "FaultError",
+    "FreezerStall",
+    "KillFault",
+    "NetworkNamespace",
+    "NftFault",
+    "SigstopStall",
+    "ToxiproxyClient",
+    "ToxiproxyError",
+    "ToxiproxyFault",
+    "detect_freezer",
+    "faketime_env",
+    "find_engine_core_pids",
+    "time_namespace_prefix",
+]

@@ -1,0 +1,130 @@
+"""Kill faults: signal a server's whole process group, or only its engine-core process.
+
+Each injector has ``inject`` and a guaranteed ``cleanup`` (idempotent), and records what it did
+(``record``) for the report.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import psutil
+
+from leasekit.chaos.faults._common import FaultError, stamp, wait_for
+from leasekit.cluster.server import VllmServer
+
+#: vLLM names its engine-core process with setproctitle: the full title is in the cmdline, the
+#: kernel's ``comm`` (psutil ``name()``) keeps only the first 15 bytes (``VLLM::EngineCor``).
+ENGINE_CORE_TITLE = "VLLM::EngineCore"
+KillScope = Literal["group", "engine_core"]
+SCOPES = ("group", "engine_core")
+
+
+def find_engine_core_pids(pids: Iterable[int]) -> list[int]:
+    """Those of ``pids`` whose process name or title shows ``VLLM::EngineCore``.
+
+    Matches ``name()`` starting with the 15-byte truncation ``VLLM::EngineCor``, or ``argv[0]``
+    (where setproctitle writes the title) starting with the full title (``VLLM::EngineCore_DP0``
+    too). Only argv[0]: a shell whose script merely mentions the title is not a match.
+    Vanished or unreadable processes are skipped.
+    Returns a sorted list (empty if none matches).
+    """
+    found = []
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            name = proc.name()
+            cmdline = proc.cmdline()
+        except psutil.Error:
+            continue
+        if name.startswith(ENGINE_CORE_TITLE[:15]) or (cmdline and cmdline[0].startswith(ENGINE_CORE_TITLE)):
+            found.append(pid)
+    return sorted(found)
+
+
+@dataclass
+class KillFault:
+    """Send ``sig`` to a server: its whole process group (``scope="group"``: API server, engine
+    core, workers) or only its engine-core process(es) (``scope="engine_core"``).
+
+    After a SIGKILL it verifies that no signalled process survived; ``record`` (filled in place:
+    callers may hold the dict) says which pids were signalled, when (``injected_monotonic_s``:
+    ``time.monotonic()`` of this process, ``injected_wall_s``: ``time.time()``) and which
+    survived (``survivors``).
+
+    Raises:
+        ValueError: ``scope`` is not ``"group"`` or ``"engine_core"``.
+    """
+
+    server: VllmServer
+    sig: signal.Signals = signal.SIGKILL
+    scope: KillScope = "group"
+    record: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.scope not in SCOPES:
+            raise ValueError(f"scope must be one of {SCOPES}, got {self.scope!r}")
+        self.sig = signal.Signals(self.sig)
+
+    def inject(self) -> None:
+        """Signal the target now.
+
+        Raises:
+            RuntimeError: the server was not running.
+            FaultError: ``scope="engine_core"`` and no process of the server is the engine core.
+        """
+        if not self.server.alive():
+            raise RuntimeError(f"cannot kill {self.server.spec.name}: it is not running")
+        pids = self.server.pids()
+        targets = pids if self.scope == "group" else find_engine_core_pids(pids)
+        if not targets:
+            raise FaultError(
+                f"cannot kill {self.server.spec.name}'s engine core: none of its processes {pids} "
+                f"has {ENGINE_CORE_TITLE!r} in its name or command line"
+            )
+        # Recorded before the signal goes out, so an interrupted run still knows the fault happened.
+        self.record.clear()
+        self.record.update({
+            "kind": "kill",
+            "scope": self.scope,
+            "target": self.server.spec.name,
+            "signal": self.sig.name,
+            "pids": targets,
+        })
+        stamp(self.record, "injected")
+        if self.scope == "group":
+            self.record["pids"] = self.server.kill(self.sig) or targets
+        else:
+            self.record["engine_core_pids"] = targets
+            for pid in targets:
+                try:
+                    os.kill(pid, self.sig)
+                except ProcessLookupError:
+                    pass
+        survivors: list[int] = []
+        if self.sig == signal.SIGKILL:
+            procs = []
+            for pid in self.record["pids"]:
+                try:
+                    procs.append(psutil.Process(pid))
+                except psutil.NoSuchProcess:
+                    pass
+            # a killed process may stay a zombie until its parent reaps it: zombies count as dead
+            wait_for(lambda: not any(_running(p) for p in procs), timeout_s=5.0)
+            survivors = sorted(p.pid for p in procs if _running(p))
+        self.record["survivors"] = survivors
+
+    def cleanup(self) -> None:
+        """Make sure nothing of the group is left (a killed server stays down); idempotent."""
+        self.server.stop(grace_s=2)
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False

@@ -1,0 +1,181 @@
+"""The sections of a scenario file (TOML). All durations are seconds; every field is validated
+strictly (no silent coercion) and unknown fields are refused.
+
+Fault times are relative to the moment every workload request sits in D's queue ("queued").
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from leasekit.lease.config import LeaseTiming
+
+TARGETS = ("leasekit", "stock")
+"""Conformance targets: LeaseKitConnector on P and D, or vLLM's stock NixlConnector on P and D."""
+
+CHECKS = ("bounded_reclaim", "no_expiry", "all_served", "fail_closed", "liveness", "conservation")
+"""Checks a scenario can ask for (see leasekit.chaos.checks)."""
+
+
+class Strict(BaseModel):
+    """Base: strict types (an int is still accepted for a float), no unknown fields, finite floats."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+
+class LeaseSection(Strict):
+    """``[lease]``: ``duration_s`` is ``kv_lease_duration``; ``tick_s`` bounds P's step period."""
+
+    duration_s: float = Field(6, gt=0, le=3600)
+    tick_s: float = Field(0.5, ge=0, le=60)
+
+    def timing(self) -> LeaseTiming:
+        """The derived ``L``, ``H``, ``E`` (an integral duration stays an int, as vLLM keeps it)."""
+        L = int(self.duration_s) if float(self.duration_s).is_integer() else self.duration_s
+        return LeaseTiming.from_lease_duration(L)
+
+
+class TopologySection(Strict):
+    """``[topology]``: D's running-slot limit and which targets the scenario runs against."""
+
+    decode_max_num_seqs: int = Field(1, ge=1, le=256)
+    targets: list[Literal["leasekit", "stock"]] = Field(default_factory=lambda: list(TARGETS), min_length=1)
+
+
+class LaunchSection(Strict):
+    """``[launch]``: conditions set when the servers start (clock skew, network namespace)."""
+
+    prefill_monotonic_offset_s: float = Field(0, ge=0, le=10**7)
+    decode_monotonic_offset_s: float = Field(0, ge=0, le=10**7)
+    prefill_wall_offset_s: float = Field(0, ge=-(10**8), le=10**8)
+    prefill_wall_rate: float = Field(1.0, gt=0, le=100)
+    decode_wall_offset_s: float = Field(0, ge=-(10**8), le=10**8)
+    decode_wall_rate: float = Field(1.0, gt=0, le=100)
+    network_namespace: bool = False
+    warm_up: bool = True
+
+
+class WorkloadSection(Strict):
+    """``[workload]``: ``queued`` (N P->D requests behind a long generation holding D's slot),
+    ``overload`` (N requests each decoding ``decode_tokens``, queued behind each other), or
+    ``abort_storm`` (N requests, a fraction cancelled while queued on D, a fraction never sent to D).
+
+    ``hold_decode_slot_s``: for ``queued``, how long after "queued" D's slot stays held before D may
+    serve the queue; None means ``1.5 * L`` in the steady state and "until the fault is over plus the
+    bound" in the fault run. ``prefill_rps``: extra prefill-only traffic on P during the fault run.
+    """
+
+    kind: Literal["queued", "overload", "abort_storm"] = "queued"
+    requests: int = Field(4, ge=1, le=256)
+    prompt_tokens: int = Field(48, ge=1, le=2048)
+    decode_tokens: int = Field(4, ge=1, le=1024)
+    hold_decode_slot_s: float | None = Field(None, gt=0, le=3600)
+    prefill_rps: float = Field(0, ge=0, le=50)
+    cancel_queued_fraction: float = Field(0.0, ge=0, le=1)
+    never_decode_fraction: float = Field(0.0, ge=0, le=1)
+
+
+class SteadyStateSection(Strict):
+    """``[steady_state]``: the hypothesis checked on the same workload without the fault."""
+
+    enabled: bool = True
+    expiries: int = Field(0, ge=0)
+    all_served: bool = True
+
+
+class _FaultBase(Strict):
+    target: Literal["decode", "prefill"] = "decode"
+    after_s: float | None = Field(None, ge=0, le=3600)
+
+
+class KillFault(_FaultBase):
+    """SIGKILL/SIGTERM the whole process group, or the engine-core process alone. ``after_s`` None:
+    ``(L - E) + 2H + 0.5`` so the last heartbeat, not the grant, sets the bound."""
+
+    kind: Literal["kill"]
+    signal: Literal["SIGKILL", "SIGTERM"] = "SIGKILL"
+    scope: Literal["group", "engine_core"] = "group"
+    restart_after_s: float | None = Field(None, ge=0, le=3600)
+
+
+class StallFault(_FaultBase):
+    """Stop a server for ``duration_s``: SIGSTOP/SIGCONT, the cgroup freezer, or a forward-pass stall
+    inside LeaseKitConnector (not available on a stock connector)."""
+
+    kind: Literal["stall"]
+    method: Literal["sigstop", "freezer", "forward_pass"] = "sigstop"
+    duration_s: float = Field(gt=0, le=600)
+
+
+class HeartbeatFault(_FaultBase):
+    """Heartbeat faults in D's send path (LeaseKitConnector only): drop the next ``drop_next``
+    batches in a row, drop a ``drop_fraction``, delay each by ``delay_s``, send ``duplicate`` copies.
+    ``delay_next_s`` delays the first batch after the drops (pushes a tie past the deadline)."""
+
+    kind: Literal["heartbeats"]
+    drop_next: int = Field(0, ge=0, le=1000)
+    drop_fraction: float = Field(0, ge=0, le=1)
+    delay_s: float = Field(0, ge=0, le=600)
+    duplicate: int = Field(1, ge=1, le=100)
+    delay_next_s: float = Field(0, ge=0, le=600)
+    duration_s: float | None = Field(None, gt=0, le=600)
+
+
+class PartitionFault(_FaultBase):
+    """nftables in the run's network namespace: ``drop``/``reject`` or random ``loss`` of TCP to the
+    NIXL side channel or HTTP port of ``target``, for ``duration_s``. ``first_handshake``: applied
+    before D first meets P (the pair is started without warm-up)."""
+
+    kind: Literal["partition"]
+    path: Literal["side_channel", "http"] = "side_channel"
+    action: Literal["drop", "reject", "loss"] = "drop"
+    loss_percent: float = Field(100, ge=0, le=100)
+    duration_s: float = Field(gt=0, le=600)
+    first_handshake: bool = False
+
+
+class NoFault(Strict):
+    """No fault: the scenario checks a launch condition or a load (skew, wall clock, overload)."""
+
+    kind: Literal["none"]
+
+
+Fault = Annotated[Union[KillFault, StallFault, HeartbeatFault, PartitionFault, NoFault], Field(discriminator="kind")]
+
+
+class ExpectSection(Strict):
+    """``[expect]``: the verdict per target, the checks that decide it, and known defects (shown when
+    the expected verdict is FAIL: the invariant and the vLLM line that breaks it)."""
+
+    leasekit: Literal["PASS", "FAIL", "UNKNOWN"] = "PASS"
+    stock: Literal["PASS", "FAIL", "UNKNOWN"] = "PASS"
+    checks: list[Literal["bounded_reclaim", "no_expiry", "all_served", "fail_closed", "liveness", "conservation"]] = Field(min_length=1)
+    failing_checks: list[Literal["bounded_reclaim", "no_expiry", "all_served", "fail_closed", "liveness", "conservation"]] = Field(default_factory=list)
+    known_defect_leasekit: str | None = None
+    known_defect_stock: str | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ExpectSection":
+        if len(set(self.checks)) != len(self.checks):
+            raise ValueError(f"expect.checks: each check once, got {self.checks}")
+        for target in TARGETS:
+            if self.verdict_for(target) == "FAIL":
+                if not getattr(self, f"known_defect_{target}"):
+                    raise ValueError(f"expect.{target} = 'FAIL' needs expect.known_defect_{target}: the invariant and the vLLM line that breaks it")
+                if not self.failing_checks:
+                    raise ValueError(f"expect.{target} = 'FAIL' needs expect.failing_checks: exactly which checks must fail (others must pass)")
+        if not set(self.failing_checks) <= set(self.checks):
+            raise ValueError(f"expect.failing_checks {self.failing_checks} must be among expect.checks {self.checks}")
+        return self
+
+    def verdict_for(self, target: str) -> str:
+        """The expected verdict for ``target`` (``leasekit`` or ``stock``).
+
+        Raises:
+            ValueError: another target.
+        """
+        if target not in TARGETS:
+            raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
+        return self.leasekit if target == "leasekit" else self.stock

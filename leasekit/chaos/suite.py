@@ -1,0 +1,330 @@
+"""Run scenarios x targets: plan the order so pairs are shared, run each scenario, and write the
+reports (terminal tables, ``report.json``, JUnit XML, one timeline PNG per scenario and target).
+
+An interrupted suite (SIGINT/SIGTERM) stops the pair, undoes every fault, removes every namespace
+and cgroup it made, and still writes the reports with ``"status": "interrupted"``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import signal
+import time
+import traceback
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from rich.console import Console
+
+from leasekit import __version__
+from leasekit.chaos import FAIL, UNKNOWN
+from leasekit.chaos.execute import ScenarioExecution, ScenarioResult
+from leasekit.chaos.faults.netns import cleanup_stale_namespaces
+from leasekit.chaos.faults.stall import cleanup_stale_cgroups
+from leasekit.chaos.junit import JUnitCase, write_junit
+from leasekit.chaos.pool import PairPool, pair_spec
+from leasekit.chaos.report import make_console, print_results, write_json
+from leasekit.chaos.scenario import Scenario
+from leasekit.chaos.schema import KillFault
+
+
+def _now_iso() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds")
+
+
+@contextmanager
+def signals_deferred(*, raise_after: bool) -> Iterator[list[str]]:
+    """Hold SIGINT/SIGTERM until the block ends (a kill in flight, or teardown, must finish).
+
+    Yields the names of signals received meanwhile; with ``raise_after`` the first is re-raised
+    as KeyboardInterrupt when the block ends.
+    """
+    received: list[str] = []
+
+    def _hold(signum, frame):  # noqa: ARG001
+        received.append(signal.Signals(signum).name)
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig in saved:
+        signal.signal(sig, _hold)
+    try:
+        yield received
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    if raise_after and received:
+        raise KeyboardInterrupt(f"signal {received[0]}")
+
+
+@contextmanager
+def interrupts_as_keyboard_interrupt() -> Iterator[None]:
+    """Turn SIGTERM into KeyboardInterrupt (SIGINT already is) inside the block."""
+
+    def _raise(signum, frame):  # noqa: ARG001
+        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+    saved = signal.signal(signal.SIGTERM, _raise)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, saved)
+
+
+def _destructive(scenario: Scenario) -> bool:
+    """The scenario kills a server (its pair is then restarted or dropped)."""
+    return any(isinstance(f, KillFault) for f in scenario.faults)
+
+
+def _leaves_decode_dead(scenario: Scenario) -> bool:
+    """The scenario kills D and does not restart it itself."""
+    return any(isinstance(f, KillFault) and f.target == "decode" and f.restart_after_s is None for f in scenario.faults)
+
+
+def plan(scenarios: list[Scenario], targets: list[str] | None = None) -> list[tuple[Scenario, str]]:
+    """The run order: per target, scenarios sharing launch conditions together (plain pairs first),
+    and within a group the ones that kill a server last."""
+    runs = []
+    for target in ("leasekit", "stock"):
+        for scenario in scenarios:
+            wanted = targets or list(scenario.topology.targets)
+            if target in wanted and target in scenario.topology.targets:
+                runs.append((scenario, target))
+    def key(item):
+        scenario, target = item
+        spec = pair_spec(scenario, target)
+        plain = spec.launch_key() == pair_spec(scenario.model_copy(update={"launch": type(scenario.launch)()}), target).launch_key()
+        return (target != "leasekit", not plain, str(spec.launch_key()), _destructive(scenario), scenario.name)
+    return sorted(runs, key=key)
+
+
+class Suite:
+    """Runs planned scenarios; ``execute`` returns the report dict."""
+
+    def __init__(self, runs: list[tuple[Scenario, str]], run_dir: str | Path, *, start_timeout_s: float = 300.0,
+                 console: Console | None = None, pool=None):
+        self.runs = runs
+        self.run_dir = Path(run_dir).resolve()
+        if console is None:
+            console = Console(stderr=True, log_path=False)
+            if not console.is_terminal:
+                console = Console(stderr=True, log_path=False, width=160)
+        self.console = console
+        self.pool = pool if pool is not None else PairPool(self.run_dir, start_timeout_s=start_timeout_s, say=self._say)
+        self.results: list[ScenarioResult] = []
+        self.status = "running"
+        self.error: str | None = None
+        self.interrupt_signal: str | None = None
+        self.started_at = _now_iso()
+        self._steady_cache: dict = {}
+        self._current: ScenarioExecution | None = None
+
+    def _say(self, message: str) -> None:
+        self.console.log(message)
+
+    def run_one(self, scenario: Scenario, target: str) -> ScenarioResult:
+        """Run one scenario on one target on a pair from the pool (started or reused); the result
+        is also appended to :attr:`results`. A harness error becomes an UNKNOWN result whose
+        summary starts with "harness error" (the pair is then stopped).
+
+        Raises:
+            KeyboardInterrupt: SIGINT/SIGTERM; call :meth:`abort` then :meth:`finish`.
+        """
+        try:
+            result = self._run_one(scenario, target)
+        except KeyboardInterrupt:
+            raise
+        except Exception as exc:  # noqa: BLE001 - one scenario's harness error is its verdict
+            result = ScenarioResult(scenario.name, target, UNKNOWN, scenario.expect.verdict_for(target),
+                                    f"harness error: {type(exc).__name__}: {exc}", incident=scenario.incident)
+            result.notes.append(traceback.format_exc())
+            getattr(self.pool, "close_current", self.pool.close)()  # a pair warming up for later stays
+        self.results.append(result)
+        self._say(f"{scenario.name} / {target}: {result.verdict} (expected {result.expected}) - {result.summary}")
+        return result
+
+    def _run_one(self, scenario: Scenario, target: str) -> ScenarioResult:
+        out = self.run_dir / "scenarios"
+        out.mkdir(parents=True, exist_ok=True)
+        if not _needs_pair(scenario, target):  # the fault cannot be injected here: UNKNOWN, no pair needed
+            return ScenarioExecution(scenario, target, None, out, say=self._say).execute()  # type: ignore[arg-type]
+        pair = self.pool.get(pair_spec(scenario, target))
+        self._prefetch_after(scenario, target)
+        execution = ScenarioExecution(scenario, target, pair, out, say=self._say, steady_cache=self._steady_cache)
+        self._current = execution  # kept on KeyboardInterrupt: abort() and finish() need it
+        try:
+            result = execution.execute()
+        except KeyboardInterrupt:
+            raise
+        except BaseException:
+            self._current = None
+            raise
+        self._current = None
+        self.pool.release(reusable=not _destructive(scenario) or scenario.launch.warm_up)
+        return result
+
+    PREFETCH_PAIRS = 3
+    """How many later pairs (distinct launch conditions, in plan order) start in the background."""
+
+    def _prefetch_after(self, scenario: Scenario, target: str) -> None:
+        """Let the pool start, as background work, what the planned runs after this one need: a
+        spare D while a scenario that kills D is still to come on this pair (and is not the last
+        one on it), and the next pairs; spares that are ready are parked (SIGSTOP)."""
+        pool = self.pool
+        if not hasattr(pool, "prefetch_pair"):
+            return
+        pool.park_ready_spares()
+        names = [(s.name, t) for s, t in self.runs]
+        if (scenario.name, target) not in names:
+            return
+        key = pair_spec(scenario, target).launch_key()
+        later = [(s, t) for s, t in self.runs[names.index((scenario.name, target)):] if _needs_pair(s, t)]
+        group, upcoming = [], []
+        for s, t in later:
+            spec = pair_spec(s, t)
+            if not upcoming and spec.launch_key() == key and (spec.warm_up or not group):
+                group.append(s)
+            elif spec.launch_key() not in [u.launch_key() for u in upcoming]:
+                upcoming.append(spec)
+        kills = sum(_leaves_decode_dead(s) for s in group[:-1])  # each needs a D after it
+        if kills and scenario.launch.warm_up:
+            pool.prefetch_decode(min(kills, 2))  # parked once ready; each costs ~1 GB
+        for spec in upcoming[: self.PREFETCH_PAIRS]:
+            pool.prefetch_pair(spec)
+
+    def execute(self) -> dict:
+        """Run everything, tear down, write and print the reports; returns the report dict."""
+        try:
+            with interrupts_as_keyboard_interrupt():
+                for index, (scenario, target) in enumerate(self.runs, 1):
+                    self._say(f"[{index}/{len(self.runs)}] {scenario.name} on {target} ({scenario.incident})")
+                    self.run_one(scenario, target)
+            self.status = "completed"
+        except KeyboardInterrupt as exc:
+            self.abort(exc)
+        except Exception as exc:  # noqa: BLE001
+            self.status = "error"
+            self.error = f"{type(exc).__name__}: {exc}"
+            self.console.print(traceback.format_exc(), markup=False, highlight=False)
+        finally:
+            report = self.finish()
+        print_results(report, self.results, make_console())
+        if self.error:
+            self.console.print(f"[red]{self.error}[/]")
+        return report
+
+    def abort(self, exc: BaseException) -> None:
+        """Mark the suite interrupted and keep the partial result of the scenario in flight."""
+        self.status = "interrupted"
+        self.interrupt_signal = "SIGTERM" if "SIGTERM" in str(exc) else "SIGINT"
+        self.error = f"interrupted ({self.interrupt_signal})"
+        if self._current is not None:
+            partial = self._current.result
+            partial.verdict, partial.summary = UNKNOWN, "interrupted before this scenario finished"
+            partial.notes.append("interrupted; evidence is partial")
+            if self._current.load is not None:
+                partial.request_ids = self._current.load.request_ids
+            if self._current.fault_run is not None:
+                partial.faults = self._current.fault_run.records
+            self.results.append(partial)
+
+    def finish(self) -> dict:
+        """Undo the fault in flight, stop every pair, remove leftover namespaces and cgroups, and
+        write ``report.json`` and ``junit.xml`` (SIGINT/SIGTERM held meanwhile); returns the report."""
+        if self.status == "running":
+            self.status = "completed"
+        with signals_deferred(raise_after=False):
+            steps = []
+            if self._current is not None:
+                if self._current.load is not None:
+                    steps.append(("release D's slot", self._current.load.release_slot))
+                if self._current.fault_run is not None:
+                    steps.append(("undo the fault in flight", self._current.fault_run.cleanup))
+            steps += [("stop the servers", self.pool.close), ("remove network namespaces", cleanup_stale_namespaces),
+                      ("remove cgroups", cleanup_stale_cgroups)]
+            self._say("tearing down (up to 10 s)")
+            for what, step in steps:  # each step runs even if one before failed; reports always written
+                try:
+                    step()
+                except Exception as exc:  # noqa: BLE001
+                    problem = f"teardown could not {what}: {type(exc).__name__}: {exc}"
+                    self.error = f"{self.error}; {problem}" if self.error else problem
+                    if self.status == "completed":
+                        self.status = "error"
+            report = self.report()
+            self._write(report)
+        return report
+
+    def overall(self) -> str:
+        """PASS when every run completed with its expected verdict; FAIL when a run FAILed
+        unexpectedly, or PASSed (or failed other checks) where a known defect was expected; else
+        UNKNOWN (an unexpected UNKNOWN, a harness error, an interrupted or empty run)."""
+        unexpected = [r for r in self.results if not r.as_expected]
+        if any(r.verdict in (FAIL, "PASS") for r in unexpected):
+            return FAIL
+        if self.status != "completed" or not self.results or unexpected:
+            return UNKNOWN
+        return "PASS"
+
+    def harness_errors(self) -> list[str]:
+        """``scenario/target`` of every run that ended in a harness error."""
+        return [f"{r.scenario}/{r.target}" for r in self.results if r.summary.startswith("harness error")]
+
+    def report(self) -> dict:
+        """The JSON report (valid for interrupted and failed runs too)."""
+        matrix: dict = {}
+        for r in self.results:
+            matrix.setdefault(r.scenario, {})[r.target] = {"verdict": r.verdict, "expected": r.expected}
+        return {
+            "leasekit_version": __version__,
+            "status": self.status,
+            "verdict": self.overall(),
+            "error": self.error,
+            "started_at": self.started_at,
+            "finished_at": _now_iso(),
+            "run_dir": str(self.run_dir),
+            "report_path": str(self.run_dir / "report.json"),
+            "junit_path": str(self.run_dir / "junit.xml"),
+            "planned": [{"scenario": s.name, "target": t} for s, t in self.runs],
+            "matrix": matrix,
+            "harness_errors": self.harness_errors(),
+            "results": [r.to_json() for r in self.results],
+            "pairs": self.pool.started,
+        }
+
+    def _write(self, report: dict) -> None:
+        try:
+            write_json(self.run_dir / "report.json", report)
+            cases = [
+                JUnitCase(
+                    name=r.scenario, target=r.target, verdict=_junit_verdict(r), duration_s=r.duration_s,
+                    bound=next((c.details.get("bound") for c in r.checks if c.details.get("bound")), None),
+                    measured=next((c.details.get("min_margin_s") for c in r.checks if c.details.get("min_margin_s") is not None), None),
+                    reason=f"{r.verdict} (expected {r.expected}): {r.summary}"
+                           + (f" [known defect: {r.known_defect}]" if r.known_defect and r.expected == FAIL else ""),
+                    evidence="\n".join(f"{c.name}: {c.verdict} - {c.summary}" for c in r.checks),
+                )
+                for r in self.results
+            ]
+            write_junit(self.run_dir / "junit.xml", "leasekit-chaos", cases)
+        except OSError as exc:
+            self.error = f"{self.error + '; ' if self.error else ''}could not write the reports: {exc}"
+            report["error"] = self.error
+
+
+def _junit_verdict(result: ScenarioResult) -> str:
+    """The JUnit outcome is keyed on the expectation, so CI's colour matches the exit code: an
+    expected verdict passes (an expected UNKNOWN is "skipped"); an unexpected FAIL or PASS is a
+    failure; a harness error or an unexpected UNKNOWN is an error."""
+    if result.as_expected:
+        return UNKNOWN if result.verdict == UNKNOWN else "PASS"
+    if result.summary.startswith("harness error"):
+        return "HARNESS ERROR"
+    return "UNEXPECTED UNKNOWN" if result.verdict == UNKNOWN else FAIL
+
+
+def _needs_pair(scenario: Scenario, target: str) -> bool:
+    from leasekit.chaos.actions import not_injectable
+    from leasekit.chaos.execute import target_connectors
+
+    return not any(not_injectable(f, target_connectors(target)) for f in scenario.faults)
