@@ -111,11 +111,6 @@ class Scenario(Strict):
             return 0.0
         return 2 * H + 0.5
 
-    def kill_after_s(self) -> float:
-        """Seconds between "queued" and the first kill fault (see :meth:`fault_after_s`)."""
-        kill = next((f for f in self.faults if isinstance(f, KillFault)), self.faults[0])
-        return self.fault_after_s(kill)
-
 
 def _allowed_range(loc: tuple) -> str | None:
     """"a < x <= b" for the numeric field at ``loc`` (from its Field constraints), else None."""

@@ -35,7 +35,7 @@ def test_kill_decode_defaults():
     t = s.lease.timing()
     assert (t.lease_duration_s, t.heartbeat_interval_s, t.extension_s) == (6, 1, 4)
     assert s.hold_decode_slot_s() == 9.0  # 1.5 * L
-    assert s.kill_after_s() == 4.5  # (L - E) + 2 * H + 0.5
+    assert s.fault_after_s(s.faults[0]) == 4.5  # kill: (L - E) + 2 * H + 0.5
 
 
 @pytest.mark.parametrize(
