@@ -19,7 +19,8 @@ from rich.console import Console
 
 from leasekit import __version__
 from leasekit.chaos import FAIL, UNKNOWN
-from leasekit.chaos.execute import ScenarioExecution, ScenarioResult
+from leasekit.chaos.execute import ScenarioExecution
+from leasekit.chaos.result import ScenarioResult
 from leasekit.chaos.faults.netns import cleanup_stale_namespaces
 from leasekit.chaos.faults.stall import cleanup_stale_cgroups
 from leasekit.chaos.junit import JUnitCase, write_junit

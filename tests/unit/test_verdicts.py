@@ -3,7 +3,7 @@
 import pytest
 
 from leasekit.chaos.checks import CheckResult
-from leasekit.chaos.execute import ScenarioResult
+from leasekit.chaos.result import ScenarioResult
 from leasekit.chaos.suite import Suite, _junit_verdict
 
 

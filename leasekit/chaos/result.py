@@ -1,0 +1,58 @@
+"""The outcome of one scenario on one target: verdict, expectation, checks, took-effect evidence,
+the faults as executed; what the suite reports (terminal, JSON, JUnit)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from leasekit.chaos import FAIL
+from leasekit.chaos.actions import Effect
+from leasekit.chaos.checks import CheckResult
+
+
+@dataclass
+class ScenarioResult:
+    """The outcome of one scenario on one target."""
+
+    scenario: str
+    target: str
+    verdict: str
+    expected: str
+    summary: str
+    incident: str = ""
+    checks: list[CheckResult] = field(default_factory=list)
+    steady_state: CheckResult | None = None
+    effects: list[Effect] = field(default_factory=list)
+    faults: list[dict] = field(default_factory=list)
+    request_ids: list[str] = field(default_factory=list)
+    evidence_source: str | None = None
+    plot: str | None = None
+    duration_s: float = 0.0
+    notes: list[str] = field(default_factory=list)
+    known_defect: str | None = None
+    expected_failing: list[str] = field(default_factory=list)
+
+    @property
+    def as_expected(self) -> bool:
+        """The verdict is the expected one; for an expected FAIL, exactly the expected checks
+        failed (with the steady state holding), so another regression is never "as expected"."""
+        if self.verdict != self.expected:
+            return False
+        if self.verdict != FAIL:
+            return True
+        failed = {c.name for c in self.checks if c.verdict == FAIL}
+        steady_ok = self.steady_state is None or self.steady_state.verdict != FAIL
+        return steady_ok and failed == {name.replace("_", "-") for name in self.expected_failing}
+
+    def to_json(self) -> dict:
+        return {
+            "scenario": self.scenario, "target": self.target, "incident": self.incident,
+            "verdict": self.verdict, "expected": self.expected, "as_expected": self.as_expected,
+            "summary": self.summary, "known_defect": self.known_defect, "expected_failing_checks": self.expected_failing,
+            "steady_state": None if self.steady_state is None else self.steady_state.to_json(),
+            "checks": [c.to_json() for c in self.checks],
+            "effects": [e.to_json() for e in self.effects],
+            "faults": self.faults, "request_ids": self.request_ids,
+            "evidence_source": self.evidence_source, "plot": self.plot,
+            "duration_s": self.duration_s, "notes": self.notes,
+        }
