@@ -15,19 +15,21 @@ command -v "$PY" >/dev/null || fail "no $PY on PATH" "install Python >= 3.11, or
   || fail "Python >= 3.11 is required ($("$PY" --version 2>&1))" "run PYTHON=/path/to/python3.11 ./setup.sh"
 
 # System tools the chaos faults use: libfaketime (wall-clock skew), nftables and iproute2 (network
-# faults in a namespace the run creates), unshare (time namespaces), gcc (libfaketime sleep shim).
+# faults in a namespace the run creates), unshare (time namespaces), gcc (libfaketime sleep shim),
+# prometheus + promtool (the real Prometheus of the metrics tests, `promtool test rules`).
 missing=()
 command -v faketime >/dev/null || missing+=(faketime)
 command -v nft >/dev/null || missing+=(nftables)
 command -v ip >/dev/null || missing+=(iproute2)
 command -v unshare >/dev/null || missing+=(util-linux)
 command -v gcc >/dev/null || missing+=(gcc)
+{ command -v prometheus >/dev/null && command -v promtool >/dev/null; } || missing+=(prometheus)
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     say "installing system packages: ${missing[*]}"
     export DEBIAN_FRONTEND=noninteractive
-    apt-get install -y -q "${missing[@]}" >/dev/null 2>&1 \
-      || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q "${missing[@]}" >/dev/null; } \
+    apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null 2>&1 \
+      || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null; } \
       || fail "apt-get could not install ${missing[*]}" "install them yourself (Debian/Ubuntu: apt-get install ${missing[*]}) and re-run ./setup.sh"
   else
     fail "missing system packages: ${missing[*]}" "as root: apt-get install ${missing[*]} (or your distribution's equivalents), then re-run ./setup.sh"

@@ -2,7 +2,10 @@
 
 ``leasekit chaos list`` lists the scenario catalog; ``leasekit chaos run NAME...|--all`` runs
 scenarios against real P/D pairs, once per target (LeaseKitConnector, stock NixlConnector);
-``leasekit bounds`` prints the bounds for a lease duration.
+``leasekit bounds`` prints the bounds for a lease duration; ``leasekit status URL...`` reads lease
+health from servers' ``/metrics``; ``leasekit explain REQUEST_ID`` prints a lease's timeline from its
+spans; ``leasekit lint --kv-transfer-config JSON`` checks a lease config; ``leasekit dashboards build
+[--check]`` generates the Grafana dashboard and Prometheus rules in ``dashboards/``.
 
 Exit codes of ``chaos run``: 0 every verdict is the scenario's expected one (kill-decode expects
 PASS on both targets), 1 an unexpected FAIL (or a PASS where a known defect was expected: the
@@ -16,8 +19,10 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import sys
 from pathlib import Path
+from typing import Callable
 
 from rich.console import Console
 from rich.table import Table
@@ -25,25 +30,22 @@ from rich.table import Table
 from leasekit.chaos.scenario import ScenarioError, catalog_dir, find_scenario, list_scenarios, load_scenario
 from leasekit.lease.bounds import loss_budget, safe_stall_s
 from leasekit.lease.config import LeaseConfigError, LeaseTiming, lint_timing
+from leasekit.runbook.common import seconds_type
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_UNKNOWN, EXIT_HARNESS = 0, 1, 2, 3, 4
 EXIT_SIGINT, EXIT_SIGTERM = 130, 143
 
 
-def _seconds(low: float, high: float, *, low_inclusive: bool) -> "argparse._TypeFunc":  # type: ignore[name-defined]
-    relation = "<=" if low_inclusive else "<"
+def _seconds(low: float, high: float, *, low_inclusive: bool) -> Callable[[str], float]:
+    """:func:`leasekit.runbook.common.seconds_type`, keeping whole numbers ``int`` (``L = 6`` stays
+    int, as vLLM's floor division ``H = L // 6`` needs)."""
+    parse = seconds_type(low, high, low_inclusive=low_inclusive)
 
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected seconds as a number, got {text!r}") from None
-        ok = (value >= low if low_inclusive else value > low) and value <= high
-        if not ok:  # also refuses nan and inf
-            raise argparse.ArgumentTypeError(f"must satisfy {low} {relation} seconds <= {high}, got {text}")
+    def whole(text: str) -> float:
+        value = parse(text)
         return int(value) if value.is_integer() else value
 
-    return parse
+    return whole
 
 
 _positive_seconds = _seconds(0, 3600, low_inclusive=False)
@@ -170,7 +172,7 @@ def _cmd_bounds(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``leasekit`` command."""
-    parser = argparse.ArgumentParser(prog="leasekit", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="leasekit", description=__doc__.splitlines()[0].replace("``", ""))
     sub = parser.add_subparsers(dest="command", required=True)
 
     chaos = sub.add_parser("chaos", help="chaos scenarios against a real P/D pair")
@@ -197,6 +199,13 @@ def build_parser() -> argparse.ArgumentParser:
     p_bounds.add_argument("--tick", type=_tick_seconds, default=0.1, help="P's step period (0-60 s)")
     p_bounds.add_argument("-o", "--output", choices=("table", "json"), default="table")
     p_bounds.set_defaults(func=_cmd_bounds)
+
+    from leasekit.runbook import register_all  # status, explain, lint
+
+    register_all(sub)
+    from leasekit.dashboards import register as register_dashboards  # dashboards build [--check]
+
+    register_dashboards(sub)
     return parser
 
 
@@ -207,7 +216,14 @@ def main(argv: list[str] | None = None) -> int:
     # A shell may start a background job with SIGINT ignored; Ctrl-C / kill -INT must still stop us.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except BrokenPipeError:  # `leasekit status ... -o json | head`: the reader left; not an error
+        try:
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - so the interpreter's flush at exit is quiet
+        except OSError:
+            pass
+        return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -90,7 +90,8 @@ def check_lease_reclaim(
         tick_s: allowance for P's step period (seconds).
         fault_at_s: when D was silenced, converted to P's clock; None skips the fault-window checks.
 
-    PASS: expired no earlier than ``max(grant + L, last_hb + E)`` and no later than that plus
+    PASS: expired no earlier than ``max(grant + L, last_hb + E)`` (less the evidence's
+    ``stamp_latency_s``: a logged heartbeat may be stamped late) and no later than that plus
     ``tick_s``. FAIL: expired early or late, or ended ``aborted``. UNKNOWN: the lease did not meet the
     fault (it ended before ``fault_at_s``, or heartbeats kept arriving after it), it was released
     (D read it), or P ran with a different lease duration. ``grant + L`` is P's own stamp (initial
@@ -120,8 +121,12 @@ def check_lease_reclaim(
         return row(UNKNOWN, "released: D read it, the bound was not exercised")
     if lease.outcome != sc.OUTCOME_EXPIRED:
         return row(FAIL, f"ended {lease.outcome}, not by expiry")
-    if lease.end_s < lower - EARLY_TOLERANCE_S:
+    if lease.end_s < lower - EARLY_TOLERANCE_S - lease.stamp_latency_s:
         return row(FAIL, f"expired {lower - lease.end_s:.3f} s before max(grant + L, last heartbeat + E) (premature reclaim)")
+    uncertain = ""
+    if lease.end_s < lower - EARLY_TOLERANCE_S:
+        uncertain = (f"; {lower - lease.end_s:.3f} s before the deadline computed from the logged heartbeat, "
+                     f"within the log-stamp uncertainty {lease.stamp_latency_s:g} s")
     if lease.end_s > upper:
         return row(FAIL, f"reclaimed {lease.end_s - upper:.3f} s after the bound (step gap {lease.step_gap_s})")
     if lease.heartbeat_count == 0:
@@ -130,7 +135,7 @@ def check_lease_reclaim(
         how = "last heartbeat + E set it"
     else:
         how = "grant + L set it"
-    return row(PASS, f"in bound; {how}")
+    return row(PASS, f"in bound; {how}{uncertain}")
 
 
 def check_bounded_reclaim(

@@ -36,6 +36,10 @@ class LeaseTimeline:
     step_gap_s: float | None
     remote_agent: str | None
     events: tuple[tuple[str, float], ...] = field(default=())
+    stamp_latency_s: float = 0.0
+    """How much later than the real instant a recorded heartbeat may be stamped (seconds): 0 for
+    spans (LeaseKitConnector reads the clock before vLLM does); for log evidence, the log line is
+    stamped after vLLM's own clock read (:data:`leasekit.telemetry.vllm_log.LOG_STAMP_LATENCY_S`)."""
 
     def relative(self, t: float | None) -> float | None:
         """``t`` in seconds after the grant (None stays None)."""

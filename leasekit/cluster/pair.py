@@ -61,7 +61,9 @@ class PairSpec:
     launch-time conditions (seconds): a monotonic-clock offset per side (a Linux time namespace),
     a wall-clock offset and rate per side (libfaketime, monotonic left real), a network namespace
     around both servers (for nftables faults), connector fault-control files, and millisecond lease
-    logging (the evidence for stock connectors, which write no spans)."""
+    logging (the evidence for stock connectors, which write no spans), and vLLM's own request tracing
+    (``--otlp-traces-endpoint``, OTLP over HTTP/protobuf; vLLM keeps an incoming ``traceparent`` only
+    when tracing is on, ``vllm/v1/engine/async_llm.py``)."""
 
     prefill_connector: str = "leasekit"
     decode_connector: str = "leasekit"
@@ -79,6 +81,7 @@ class PairSpec:
     fault_files: bool = False
     lease_logging: bool = False
     warm_up: bool = True
+    otlp_traces_endpoint: str | None = None
 
     def launch_key(self) -> tuple:
         """Everything that needs a fresh pair when it changes."""
@@ -149,6 +152,8 @@ class PDPair:
             env["LEASEKIT_FAULT_FILE"] = str(self.fault_file(role))
         if self.logging_config is not None:
             env["VLLM_LOGGING_CONFIG_PATH"] = str(self.logging_config)
+        if spec.otlp_traces_endpoint:
+            env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "http/protobuf"
         return prefix, env, bind_host, url_host
 
     def fault_file(self, role: str) -> Path:
@@ -169,6 +174,7 @@ class PDPair:
                 http_port=http_port,
                 side_channel_port=side_channel_port,
                 extra_env=env,
+                extra_args=["--otlp-traces-endpoint", self.spec.otlp_traces_endpoint] if self.spec.otlp_traces_endpoint else [],
                 command_prefix=prefix,
                 bind_host=bind_host,
                 url_host=url_host,

@@ -2,10 +2,15 @@
 with the ``kv_transfer_params`` P returned (the protocol of vLLM's
 ``examples/online_serving/disaggregated_serving`` proxies). Prompts are token-id lists because the
 servers run with ``--skip-tokenizer-init``.
+
+Like a proxy instrumented with OpenTelemetry, the router starts one W3C trace per routed request and
+sends its ``traceparent`` to both P and D, so vLLM's request spans and LeaseKit's lease spans on both
+sides share one trace id (W3C Trace Context; vLLM reads it in ``serving.py: _get_trace_headers``).
 """
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -24,6 +29,7 @@ class PrefillResult:
     latency_s: float
     kv_transfer_params: dict[str, Any] | None = None
     error: str | None = None
+    traceparent: str | None = None
 
     @property
     def request_id(self) -> str | None:
@@ -81,10 +87,13 @@ class Router:
         """Close the HTTP client."""
         self._client.close()
 
-    def _post(self, url: str, body: dict[str, Any], timeout_s: float | None = None) -> tuple[int, dict[str, Any] | None, str | None, float]:
+    def _post(self, url: str, body: dict[str, Any], timeout_s: float | None = None,
+              traceparent: str | None = None) -> tuple[int, dict[str, Any] | None, str | None, float]:
         t0 = time.monotonic()
         try:
-            extra = {} if timeout_s is None else {"timeout": timeout_s}
+            extra: dict[str, Any] = {} if timeout_s is None else {"timeout": timeout_s}
+            if traceparent:
+                extra["headers"] = {"traceparent": traceparent}
             response = self._client.post(f"{url}/v1/completions", json=body, **extra)
         except httpx.HTTPError as exc:
             return 0, None, f"{type(exc).__name__}: {exc}", time.monotonic() - t0
@@ -98,7 +107,10 @@ class Router:
         return 200, payload, None, latency
 
     def prefill(self, prompt: list[int]) -> PrefillResult:
-        """Prefill ``prompt`` (token ids) on P with ``do_remote_decode``; P then holds a lease."""
+        """Prefill ``prompt`` (token ids) on P with ``do_remote_decode``; P then holds a lease.
+
+        Starts a new trace: the result's ``traceparent`` goes to D with :meth:`decode`."""
+        traceparent = new_traceparent()
         status, payload, error, latency = self._post(
             self.prefill_url,
             {
@@ -108,17 +120,20 @@ class Router:
                 "temperature": 0.0,
                 "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False},
             },
+            traceparent=traceparent,
         )
         params = (payload or {}).get("kv_transfer_params") if status == 200 else None
         if status == 200 and not params:
             error = "P answered 200 without kv_transfer_params (is P a kv_producer with a NIXL connector?)"
-        return PrefillResult(status=status, latency_s=latency, kv_transfer_params=params, error=error)
+        return PrefillResult(status=status, latency_s=latency, kv_transfer_params=params, error=error,
+                             traceparent=traceparent)
 
     def decode(self, prompt: list[int], kv_transfer_params: dict[str, Any] | None, max_tokens: int,
-               *, timeout_s: float | None = None) -> DecodeResult:
+               *, timeout_s: float | None = None, traceparent: str | None = None) -> DecodeResult:
         """Decode ``max_tokens`` tokens on D, reading the prompt's KV blocks from P.
 
         ``timeout_s``: give up (disconnect; vLLM then aborts the request) after this many seconds.
+        ``traceparent``: the W3C trace context to send (the prefill's, to join one trace).
         """
         body: dict[str, Any] = {
             "model": SERVED_MODEL_NAME,
@@ -130,7 +145,7 @@ class Router:
         }
         if kv_transfer_params is not None:
             body["kv_transfer_params"] = kv_transfer_params
-        status, payload, error, latency = self._post(self.decode_url, body, timeout_s)
+        status, payload, error, latency = self._post(self.decode_url, body, timeout_s, traceparent)
         if status != 200 or payload is None:
             return DecodeResult(status=status, latency_s=latency, error=error)
         choice = (payload.get("choices") or [{}])[0]
@@ -146,7 +161,8 @@ class Router:
         """Prefill on P, then decode on D (skipped if P failed)."""
         result = RoutedResult(prefill=self.prefill(prompt))
         if result.prefill.ok:
-            result.decode = self.decode(prompt, result.prefill.kv_transfer_params, max_tokens)
+            result.decode = self.decode(prompt, result.prefill.kv_transfer_params, max_tokens,
+                                        traceparent=result.prefill.traceparent)
         return result
 
     def hold_decode_slot(self, prompt: list[int], stop: threading.Event, max_tokens: int = 4000) -> int:
@@ -172,3 +188,8 @@ class Router:
         except httpx.HTTPError:
             pass
         return chunks
+
+
+def new_traceparent() -> str:
+    """A fresh sampled W3C ``traceparent`` (``00-<32 hex trace id>-<16 hex span id>-01``)."""
+    return f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01"

@@ -100,3 +100,9 @@ def loss_budget(timing: LeaseTiming) -> int:
         )
     k = math.ceil((E - H) / H) - 1
     return max(0, k)
+
+
+RECLAIM_LAG_FLOOR_S = 0.5
+"""Floor of the reclaim-lag threshold ``max(H, 0.5 s)``: the tick allowance the chaos catalog
+holds P's reaper to (``chaos/kill-decode.toml``: ``tick_s = 0.5``); it keeps the threshold above
+0 when ``L < 6`` makes ``H = 0``."""

@@ -15,18 +15,38 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping, Sequence
 
+from opentelemetry import context as otel_context
 from opentelemetry import trace
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from leasekit.lease.config import LeaseTiming
+from leasekit.telemetry import lease_events as ev
 from leasekit.telemetry import semconv as sc
+from leasekit.telemetry.lease_events import LeaseEvent, LeaseObserver
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+
+
+def parent_context(trace_headers: Mapping[str, str] | None) -> otel_context.Context | None:
+    """The W3C trace context (``traceparent``/``tracestate``) of an incoming request, or None.
+
+    vLLM keeps a request's trace headers on ``Request.trace_headers`` (vllm 0.32.0
+    ``vllm/v1/request.py``, filled from the HTTP headers by ``serving.py: _get_trace_headers``);
+    a lease span started in this context joins the request's trace (W3C Trace Context spec)."""
+    if not trace_headers:
+        return None
+    ctx = _PROPAGATOR.extract(carrier=dict(trace_headers))
+    return ctx if trace.get_current_span(ctx).get_span_context().is_valid else None
 
 
 @dataclass(slots=True)
 class _OpenLease:
     span: trace.Span
     deadline_s: float
+    grant_s: float = 0.0
+    kv_blocks: int | None = None
     extend_count: int = 0
     extend_events_dropped: int = 0
     retrievals: int = 0
@@ -48,6 +68,8 @@ class LeaseSpanRecorder:
         kv_role: vLLM ``kv_role`` of this engine (``kv_producer`` for P).
         clock: seconds clock used when ``now`` is not given; must be the clock deadlines use.
         max_extend_events: extension events kept per span (>= 0); later ones are counted only.
+        observers: called with a :class:`LeaseEvent` after each transition is on the span
+            (Prometheus stats, structured logs); an observer's exception propagates to the caller.
 
     Raises:
         ValueError: ``max_extend_events`` is negative.
@@ -63,6 +85,7 @@ class LeaseSpanRecorder:
         kv_role: str = "kv_producer",
         clock: Callable[[], float] = time.perf_counter,
         max_extend_events: int = 64,
+        observers: Sequence[LeaseObserver] = (),
     ):
         if max_extend_events < 0:
             raise ValueError(f"max_extend_events must be >= 0, got {max_extend_events}")
@@ -73,6 +96,7 @@ class LeaseSpanRecorder:
         self._timing = timing
         self._clock = clock
         self._max_extend_events = max_extend_events
+        self._observers = tuple(observers)
         self._open: dict[str, _OpenLease] = {}
         self._ended: OrderedDict[str, tuple[str, float]] = OrderedDict()  # req_id -> (outcome, end s)
         self._ended_memory = 65536
@@ -96,9 +120,32 @@ class LeaseSpanRecorder:
         lease = self._open.get(req_id)
         return None if lease is None else lease.deadline_s
 
+    def expiring_within(self, seconds: float, now: float | None = None) -> int:
+        """How many open leases have a deadline less than ``seconds`` away (O(open leases))."""
+        now = self._clock() if now is None else now
+        limit = now + seconds
+        return sum(1 for lease in self._open.values() if lease.deadline_s < limit)
+
+    def _emit(self, kind: str, req_id: str, now: float, **fields) -> None:
+        if not self._observers:
+            return
+        event = LeaseEvent(kind, req_id, self._engine_id, self._tp_rank, self._kv_role, now, **fields)
+        for observer in self._observers:
+            observer(event)
+
     # -- transitions -----------------------------------------------------------------------
-    def grant(self, req_id: str, deadline_s: float, *, kv_blocks: int | None = None, now: float | None = None) -> bool:
-        """Open the lease span for ``req_id`` with its first deadline. False if already open."""
+    def grant(
+        self,
+        req_id: str,
+        deadline_s: float,
+        *,
+        kv_blocks: int | None = None,
+        trace_headers: Mapping[str, str] | None = None,
+        now: float | None = None,
+    ) -> bool:
+        """Open the lease span for ``req_id`` with its first deadline. False if already open.
+
+        ``trace_headers``: the request's W3C trace headers; the span then joins that trace."""
         if req_id in self._open:
             return False
         now = self._clock() if now is None else now
@@ -115,12 +162,18 @@ class LeaseSpanRecorder:
         }
         if kv_blocks is not None:
             attributes[sc.KV_BLOCKS] = int(kv_blocks)
-        span = self._tracer.start_span(sc.LEASE_SPAN_NAME, kind=trace.SpanKind.INTERNAL, attributes=attributes)
+        span = self._tracer.start_span(
+            sc.LEASE_SPAN_NAME,
+            context=parent_context(trace_headers),
+            kind=trace.SpanKind.INTERNAL,
+            attributes=attributes,
+        )
         span.add_event(
             sc.EVENT_GRANT,
             {sc.EV_MONOTONIC_S: now, sc.EV_DEADLINE_REMAINING_S: deadline_s - now},
         )
-        self._open[req_id] = _OpenLease(span=span, deadline_s=deadline_s)
+        self._open[req_id] = _OpenLease(span=span, deadline_s=deadline_s, grant_s=grant_s, kv_blocks=kv_blocks)
+        self._emit(ev.GRANT, req_id, now, kv_blocks=kv_blocks, deadline_remaining_s=deadline_s - now)
         return True
 
     def extend(self, req_id: str, deadline_s: float, *, remote_agent: str | None = None, now: float | None = None) -> bool:
@@ -129,6 +182,7 @@ class LeaseSpanRecorder:
         if lease is None:
             return False
         now = self._clock() if now is None else now
+        gap_s = now - (lease.grant_s if lease.last_extend_s is None else lease.last_extend_s)
         lease.extend_count += 1
         lease.deadline_s = deadline_s
         lease.last_extend_s = now
@@ -146,6 +200,9 @@ class LeaseSpanRecorder:
             )
         else:
             lease.extend_events_dropped += 1
+        self._emit(
+            ev.EXTEND, req_id, now, remote_agent=lease.remote_agent, gap_s=gap_s, deadline_remaining_s=deadline_s - now
+        )
         return True
 
     def retrieval(self, req_id: str, *, remote_agent: str | None = None, now: float | None = None) -> bool:
@@ -199,6 +256,7 @@ class LeaseSpanRecorder:
         if remote_agent:
             attributes[sc.REMOTE_AGENT] = remote_agent
         self._tracer.start_span(sc.LATE_READ_SPAN_NAME, attributes=attributes).end()
+        self._emit(ev.LATE_READ, req_id, now, remote_agent=remote_agent, outcome=outcome, late_by_s=now - end_s)
         return True
 
     def abort_all(self, reason: str) -> int:
@@ -252,4 +310,22 @@ class LeaseSpanRecorder:
         self._ended[req_id] = (outcome, now)
         while len(self._ended) > self._ended_memory:
             self._ended.popitem(last=False)
+        expired = outcome == sc.OUTCOME_EXPIRED
+        cause = None
+        if expired:
+            cause = ev.CAUSE_NO_HEARTBEAT if lease.extend_count == 0 else ev.CAUSE_HEARTBEAT_LAPSED
+        self._emit(
+            event,
+            req_id,
+            now,
+            kv_blocks=lease.kv_blocks,
+            remote_agent=lease.remote_agent,
+            deadline_remaining_s=lease.deadline_s - now,
+            hold_s=now - lease.grant_s,
+            outcome=outcome,
+            cause=cause,
+            reclaim_lag_s=now - lease.deadline_s if expired else None,
+            step_gap_s=step_gap_s,
+            reason=reason,
+        )
         return True

@@ -14,17 +14,42 @@ A private provider is used (not the global one) so vLLM's own request tracing is
 from __future__ import annotations
 
 import os
+import secrets
 from pathlib import Path
 from typing import Mapping
 
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 
 from leasekit.telemetry.spanfile import OtlpJsonLinesSpanExporter
 
 DEFAULT_SERVICE_NAME = "vllm-leasekit"
 SUPPORTED_OTLP_PROTOCOLS = ("http/protobuf", "grpc")
+
+
+class OsRandomIdGenerator(IdGenerator):
+    """Trace and span ids from the OS's CSPRNG (``secrets``), not the ``random`` module.
+
+    The SDK's default ``RandomIdGenerator`` draws from ``random``, which vLLM seeds (``seed=0``) in
+    every engine process: P and D then produced the same sequence of trace and span ids (measured:
+    both servers' first span had trace id ``e3e70682...``, ``random.seed(0)``'s first 128 bits), so
+    spans of different requests collided across processes. W3C Trace Context requires random ids."""
+
+    def generate_span_id(self) -> int:
+        """A random non-zero 64-bit span id."""
+        while True:
+            value = secrets.randbits(64)
+            if value:
+                return value
+
+    def generate_trace_id(self) -> int:
+        """A random non-zero 128-bit trace id."""
+        while True:
+            value = secrets.randbits(128)
+            if value:
+                return value
 
 
 class TelemetryConfigError(ValueError):
@@ -87,7 +112,7 @@ def build_tracer_provider(
     attrs = dict(resource_attributes)
     if not env.get("OTEL_SERVICE_NAME"):
         attrs.setdefault(SERVICE_NAME, DEFAULT_SERVICE_NAME)
-    provider = TracerProvider(resource=Resource.create(attrs))
+    provider = TracerProvider(resource=Resource.create(attrs), id_generator=OsRandomIdGenerator())
     sinks: list[str] = []
     if run_dir is not None:
         path = Path(run_dir) / "spans" / f"{file_stem}-{os.getpid()}.jsonl"

@@ -57,3 +57,18 @@ EV_DEADLINE_REMAINING_S = "leasekit.deadline_remaining_s"
 EV_EXTEND_COUNT = EXTEND_COUNT
 EV_RETRIEVALS = RETRIEVALS
 EV_REMOTE_AGENT = REMOTE_AGENT
+
+# D side: one span per request D heartbeats for, from tracking (vLLM ``on_new_request``) until D
+# stops tracking it (read done, finished or aborted) or the worker shuts down.
+HEARTBEATS_SPAN_NAME = "kv_lease_heartbeats"
+"""D-side span; carries ``gen_ai.request.id`` = P's request id (the id heartbeats name), so one query
+on that attribute joins P's ``kv_lease`` span and D's span for a request."""
+DECODE_REQUEST_ID = "leasekit.decode_request_id"
+REMOTE_ENGINE_ID = "leasekit.remote_engine_id"
+HEARTBEATS_SENT = "leasekit.heartbeats_sent"
+FIRST_HEARTBEAT_MONOTONIC_S = "leasekit.first_heartbeat_monotonic_s"
+LAST_HEARTBEAT_MONOTONIC_S = "leasekit.last_heartbeat_monotonic_s"
+END_REASON = "leasekit.end_reason"
+EVENT_TRACKED = "tracked"
+EVENT_FIRST_HEARTBEAT = "first_heartbeat"
+EVENT_UNTRACKED = "untracked"

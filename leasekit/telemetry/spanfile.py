@@ -3,11 +3,16 @@
 Each line is one ``ExportTraceServiceRequest`` in the OTLP/JSON encoding (the protobuf JSON mapping
 of ``opentelemetry/proto/collector/trace/v1/trace_service.proto``), the same format the OpenTelemetry
 Collector's ``file`` exporter writes and its ``otlpjsonfile`` receiver reads. The encoding is done by
-``opentelemetry-exporter-otlp-proto-common`` and ``protobuf``; nothing here re-implements it.
+``opentelemetry-exporter-otlp-proto-common`` and ``protobuf``; nothing here re-implements it, except
+one rule of the OTLP/JSON spec the generic protobuf JSON mapping does not follow: ``traceId``,
+``spanId`` and ``parentSpanId`` are lower-case hex strings, not base64 (OTLP specification,
+"JSON Protobuf Encoding"). The reader accepts both, for files written before that fix.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import logging
 import os
@@ -49,7 +54,7 @@ class OtlpJsonLinesSpanExporter(SpanExporter):
         if self._closed:
             return SpanExportResult.FAILURE
         try:
-            message = json_format.MessageToDict(encode_spans(spans))
+            message = _hex_ids(json_format.MessageToDict(encode_spans(spans)))
             line = json.dumps(message, separators=(",", ":")) + "\n"
             with self._lock:
                 self._file.write(line)
@@ -132,6 +137,35 @@ def _attributes(items: Iterable[dict[str, Any]]) -> dict[str, Any]:
     return {kv["key"]: _any_value(kv.get("value", {})) for kv in items}
 
 
+_ID_KEYS = ("traceId", "spanId", "parentSpanId")
+
+
+def _b64_to_hex(value: str) -> str:
+    return base64.b64decode(value).hex()
+
+
+def _hex_ids(message: dict[str, Any]) -> dict[str, Any]:
+    """Rewrite span and link ids of an ``ExportTraceServiceRequest`` dict from base64 to hex."""
+    for resource_spans in message.get("resourceSpans", []):
+        for scope_spans in resource_spans.get("scopeSpans", []):
+            for span in scope_spans.get("spans", []):
+                for item in (span, *span.get("links", [])):
+                    for key in _ID_KEYS:
+                        if item.get(key):
+                            item[key] = _b64_to_hex(item[key])
+    return message
+
+
+def _id(value: str, hex_len: int) -> str:
+    """An id as lower-case hex: hex as written by the OTLP/JSON spec, base64 from older files."""
+    if not value or (len(value) == hex_len and all(c in "0123456789abcdefABCDEF" for c in value)):
+        return value.lower()
+    try:
+        return _b64_to_hex(value)
+    except (binascii.Error, ValueError):
+        return value
+
+
 def parse_line(line: str, source: str = "") -> list[SpanRecord]:
     """Decode one OTLP/JSON line into span records.
 
@@ -148,9 +182,9 @@ def parse_line(line: str, source: str = "") -> list[SpanRecord]:
             for span in scope_spans.get("spans", []):
                 records.append(
                     SpanRecord(
-                        trace_id=span.get("traceId", ""),
-                        span_id=span.get("spanId", ""),
-                        parent_span_id=span.get("parentSpanId", ""),
+                        trace_id=_id(span.get("traceId", ""), 32),
+                        span_id=_id(span.get("spanId", ""), 16),
+                        parent_span_id=_id(span.get("parentSpanId", ""), 16),
                         name=span.get("name", ""),
                         start_unix_ns=int(span.get("startTimeUnixNano", 0)),
                         end_unix_ns=int(span.get("endTimeUnixNano", 0)),
@@ -174,13 +208,14 @@ def read_span_files(paths: Iterable[str | os.PathLike[str]]) -> SpanReadResult:
     """Read every span from OTLP/JSON-lines files; unparsable lines are counted, not raised.
 
     A last line without its newline is being written (or was torn by a kill): it is skipped and
-    counted in ``incomplete_tails``, not in ``bad_lines``. Missing files are skipped.
+    counted in ``incomplete_tails``, not in ``bad_lines``. Missing files and paths that cannot be
+    read as files (a directory named ``*.jsonl``, no permission) are skipped.
     """
     result = SpanReadResult()
     for path in sorted(str(p) for p in paths):
         try:
             text = Path(path).read_text(encoding="utf-8", errors="replace")
-        except FileNotFoundError:
+        except OSError:  # vanished, a directory, unreadable
             continue
         result.files.append(path)
         lines = text.split("\n")
@@ -191,7 +226,7 @@ def read_span_files(paths: Iterable[str | os.PathLike[str]]) -> SpanReadResult:
                 continue
             try:
                 result.spans.extend(parse_line(line, source=path))
-            except (ValueError, KeyError, TypeError, AttributeError):
+            except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
                 result.bad_lines += 1
     return result
 

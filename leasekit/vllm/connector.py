@@ -1,4 +1,4 @@
-"""LeaseKitConnector: vLLM's (pull) NixlConnector plus one OpenTelemetry span per lease.
+"""LeaseKitConnector: vLLM's (pull) NixlConnector plus lease spans, Prometheus metrics and logs.
 
 Wire-compatible with stock peers: it sends and accepts exactly what NixlConnector does (heartbeats
 ``b"HB:" + b",".join(ids)``, completions ``b"{req_id}:{n}"``) and leaves the compatibility hash alone.
@@ -10,7 +10,14 @@ It only observes, through these hooks of vllm 0.32.0 (``.../kv_connector/v1/nixl
 - extend: ``_handle_heartbeat`` (``base_worker.py``), attributed to the sending NIXL agent;
 - retrieval / release: completion notifications seen by ``_get_new_notifs`` (``pull_worker.py``);
 - expire: ids ``_reap_expired_send_leases`` adds to ``done_sending`` (``base_worker.py``);
-- abort: a lease that leaves ``_reqs_to_send`` any other way, or is open at worker shutdown.
+- abort: a lease that leaves ``_reqs_to_send`` any other way, or is open at worker shutdown;
+- D side: tracking (``on_new_request`` / ``_stop_heartbeat`` of the scheduler, handed to the worker in
+  the connector metadata) and heartbeat notifications sent (``send_notif`` of the NIXL wrapper).
+
+Each transition goes to the lease span, to the Prometheus metrics (through vLLM's connector-stats
+path, :mod:`leasekit.vllm.stats`, onto the server's own ``/metrics``) and to one structured log record
+(:mod:`leasekit.telemetry.lease_log`). Lease spans join the request's trace when the HTTP request
+carried a W3C ``traceparent`` (vLLM's ``Request.trace_headers``).
 
 Configuration (``kv_connector_extra_config``): ``kv_lease_duration`` (vLLM's own),
 ``leasekit_run_dir`` (span directory; default env ``LEASEKIT_RUN_DIR``, else ``./leasekit-run``).
@@ -49,9 +56,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (  # n
 from vllm.logger import init_logger  # noqa: E402
 
 from leasekit.lease.config import DEFAULT_LEASE_DURATION_S, LeaseTiming  # noqa: E402
+from leasekit.telemetry.decode_spans import HeartbeatSpanRecorder  # noqa: E402
+from leasekit.telemetry.lease_log import LeaseLogObserver, RateLimitedWarning, lease_logger  # noqa: E402
 from leasekit.telemetry.lease_spans import LeaseSpanRecorder  # noqa: E402
 from leasekit.telemetry.provider import build_tracer_provider  # noqa: E402
 from leasekit.vllm.faultpoints import FaultPoints  # noqa: E402
+from leasekit.vllm.stats import LeaseKitKVConnectorStats, LeaseKitPromMetrics, LeaseStatsObserver  # noqa: E402
+from leasekit.vllm.taps import HEARTBEAT_PREFIX as _HEARTBEAT_PREFIX  # noqa: E402
+from leasekit.vllm.taps import HeartbeatBatch, NotificationTap, TelemetryErrors  # noqa: E402
 
 check_hooks(NixlPullConnectorWorker, REQUIRED_WORKER_METHODS)
 check_hooks(NixlPullConnectorScheduler, REQUIRED_SCHEDULER_METHODS)
@@ -67,7 +79,9 @@ RUN_DIR_ENV = "LEASEKIT_RUN_DIR"
 RUN_DIR_EXTRA_KEY = "leasekit_run_dir"
 DEFAULT_RUN_DIR = "leasekit-run"
 METADATA_BLOCKS_ATTR = "leasekit_kv_blocks"
-_HEARTBEAT_PREFIX = b"HB:"
+METADATA_TRACE_ATTR = "leasekit_trace_headers"
+METADATA_TRACKED_ATTR = "leasekit_tracked"
+METADATA_UNTRACKED_ATTR = "leasekit_untracked"
 
 
 def _run_dir(kv_transfer_config: Any) -> str:
@@ -75,81 +89,54 @@ def _run_dir(kv_transfer_config: Any) -> str:
     return str(configured or os.environ.get(RUN_DIR_ENV) or DEFAULT_RUN_DIR)
 
 
-class _RateLimitedErrors:
-    """Logs telemetry failures at most once per ``interval_s`` seconds, with a suppressed count."""
-
-    def __init__(self, interval_s: float = 10.0):
-        self._interval_s = interval_s
-        self._last = float("-inf")
-        self._suppressed = 0
-
-    def report(self, where: str, exc: BaseException) -> None:
-        now = time.monotonic()
-        if now - self._last < self._interval_s:
-            self._suppressed += 1
-            return
-        logger.warning(
-            "LeaseKit telemetry failed in %s (%s: %s); %d earlier failure(s) not logged. "
-            "Serving continues; lease spans may be incomplete.",
-            where,
-            type(exc).__name__,
-            exc,
-            self._suppressed,
-        )
-        self._last = now
-        self._suppressed = 0
-
-
-class _NotificationTap:
-    """Delegates to the NIXL wrapper; remembers the last ``get_new_notifs`` batch (agent -> msgs)."""
-
-    def __init__(self, wrapped: Any):
-        self._wrapped = wrapped
-        self.last_batch: dict[str, list[bytes]] = {}
-        self._agent_by_msg: dict[bytes, str] | None = None
-
-    def get_new_notifs(self, *args: Any, **kwargs: Any) -> dict[str, list[bytes]]:
-        batch = self._wrapped.get_new_notifs(*args, **kwargs)
-        self.last_batch = batch
-        self._agent_by_msg = None
-        return batch
-
-    def agent_of(self, msg: bytes) -> str | None:
-        """The agent that sent ``msg`` in the last batch (None if not found)."""
-        if self._agent_by_msg is None:
-            self._agent_by_msg = {m: agent for agent, msgs in self.last_batch.items() for m in msgs}
-        return self._agent_by_msg.get(msg)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._wrapped, name)
-
-
-class _HeartbeatBatch:
-    """Minimal metadata carrying a delayed ``heartbeat_by_engine`` (all ``_send_heartbeats`` reads)."""
-
-    def __init__(self, heartbeat_by_engine: dict):
-        self.heartbeat_by_engine = heartbeat_by_engine
-
-
 class LeaseKitPullScheduler(NixlPullConnectorScheduler):
-    """Scheduler side: stock behaviour; also hands each new lease's KV block count to the workers."""
+    """Scheduler side: stock behaviour; also hands the workers each new lease's KV block count and
+    trace headers (P), and the requests D starts and stops heartbeating (D)."""
 
     def __init__(self, vllm_config: "VllmConfig", engine_id: str, kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config, engine_id, kv_cache_config)
         self._leasekit_blocks: dict[str, int] = {}
+        self._leasekit_trace: dict[str, dict[str, str]] = {}
+        self._leasekit_tracked: list[list[Any]] = []
+        self._leasekit_untracked: list[str] = []
 
     def request_finished(self, request: "Request", block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
-        """Stock ``request_finished``; records ``sum(len(group))`` blocks for a delayed free (a lease)."""
+        """Stock ``request_finished``; records ``sum(len(group))`` blocks for a delayed free (a lease)
+        and the request's W3C trace headers, if it had any."""
         delay_free, params = super().request_finished(request, block_ids)
         if delay_free and request.request_id in self._reqs_need_send:
             self._leasekit_blocks[request.request_id] = sum(len(group) for group in block_ids)
+            headers = getattr(request, "trace_headers", None)
+            if headers:
+                self._leasekit_trace[request.request_id] = dict(headers)
         return delay_free, params
 
+    def on_new_request(self, request: "Request") -> None:
+        """Stock tracking (D); a request it starts heartbeating is handed to the workers as
+        ``[P request id, P engine id, D request id, trace headers]``."""
+        super().on_new_request(request)
+        key = self._heartbeat_req_engine.get(request.request_id)
+        if key is not None:
+            headers = getattr(request, "trace_headers", None)
+            self._leasekit_tracked.append([key[1], key[0], request.request_id, dict(headers) if headers else None])
+
+    def _stop_heartbeat(self, req_id: str) -> None:
+        """Stock; a request it stops heartbeating is handed to the workers (P's request id)."""
+        key = self._heartbeat_req_engine.get(req_id)
+        super()._stop_heartbeat(req_id)
+        if key is not None:
+            self._leasekit_untracked.append(key[1])
+
     def build_connector_meta(self, scheduler_output: Any) -> Any:
-        """Stock metadata plus ``leasekit_kv_blocks: dict[req_id, int]`` for this step's grants."""
+        """Stock metadata plus this step's ``leasekit_kv_blocks`` (req_id -> blocks),
+        ``leasekit_trace_headers`` (req_id -> headers), ``leasekit_tracked`` and ``leasekit_untracked``."""
         meta = super().build_connector_meta(scheduler_output)
         setattr(meta, METADATA_BLOCKS_ATTR, self._leasekit_blocks)
-        self._leasekit_blocks = {}
+        setattr(meta, METADATA_TRACE_ATTR, self._leasekit_trace)
+        setattr(meta, METADATA_TRACKED_ATTR, self._leasekit_tracked)
+        setattr(meta, METADATA_UNTRACKED_ATTR, self._leasekit_untracked)
+        self._leasekit_blocks, self._leasekit_trace = {}, {}
+        self._leasekit_tracked, self._leasekit_untracked = [], []
         return meta
 
 
@@ -158,7 +145,7 @@ class LeaseKitPullWorker(NixlPullConnectorWorker):
 
     def __init__(self, vllm_config: "VllmConfig", engine_id: str, kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config, engine_id, kv_cache_config)
-        self._lk_errors = _RateLimitedErrors()
+        self._lk_errors = TelemetryErrors(logger)
         lease_duration = self.kv_transfer_config.get_from_extra_config(
             "kv_lease_duration", DEFAULT_LEASE_DURATION_S
         )
@@ -175,14 +162,22 @@ class LeaseKitPullWorker(NixlPullConnectorWorker):
                 "process.pid": os.getpid(),
             },
         )
+        self.xfer_stats = LeaseKitKVConnectorStats()  # vLLM's NIXL stats keep flowing through it
+        self._lk_stats = LeaseStatsObserver(self.xfer_stats, self.tp_rank)
+        self._lk_stats.config(kv_role, timing)
+        self._lk_timing = timing
+        tracer = self._lk_provider.get_tracer("leasekit.vllm")
         self._lk = LeaseSpanRecorder(
-            self._lk_provider.get_tracer("leasekit.vllm"),
+            tracer,
             engine_id=engine_id,
             tp_rank=self.tp_rank,
             timing=timing,
             kv_role=kv_role,
+            observers=(self._lk_stats, LeaseLogObserver()),
         )
-        self._lk_tap = _NotificationTap(self.nixl_wrapper)
+        self._lk_hb = HeartbeatSpanRecorder(tracer, engine_id=engine_id, tp_rank=self.tp_rank, kv_role=kv_role)
+        self._lk_hb_warning = RateLimitedWarning(lease_logger())
+        self._lk_tap = NotificationTap(self.nixl_wrapper, self._lk_heartbeat_sent)
         self.nixl_wrapper = self._lk_tap
         self._lk_last_step: float | None = None
         self._lk_step_gap: float | None = None
@@ -208,16 +203,48 @@ class LeaseKitPullWorker(NixlPullConnectorWorker):
         if self._lk_faults.enabled:
             self._lk_apply_stall()
         super().start_load_kv(metadata)
+        tracked = getattr(metadata, METADATA_TRACKED_ATTR, None)
+        untracked = getattr(metadata, METADATA_UNTRACKED_ATTR, None)
+        if tracked or untracked:
+            try:
+                for remote_id, remote_engine, decode_id, headers in tracked or ():
+                    self._lk_hb.track(remote_id, remote_engine_id=remote_engine, decode_request_id=decode_id,
+                                      trace_headers=headers)
+                for remote_id in untracked or ():
+                    self._lk_hb.untrack(remote_id)
+            except Exception as exc:
+                self._lk_errors.report("track", exc)
         if not metadata.reqs_to_send:
             return
         try:
             blocks = getattr(metadata, METADATA_BLOCKS_ATTR, None) or {}
+            traces = getattr(metadata, METADATA_TRACE_ATTR, None) or {}
             for req_id in metadata.reqs_to_send:
                 deadline = self._reqs_to_send.get(req_id)
                 if deadline is not None and not self._lk.has(req_id):
-                    self._lk.grant(req_id, deadline, kv_blocks=blocks.get(req_id))
+                    self._lk.grant(req_id, deadline, kv_blocks=blocks.get(req_id), trace_headers=traces.get(req_id))
         except Exception as exc:  # telemetry must never stop the engine
             self._lk_errors.report("grant", exc)
+
+    def _lk_heartbeat_sent(self, agent_name: str, notif_msg: bytes, ok: bool) -> None:
+        """Count one heartbeat notification (D): metric, span counts, rate-limited WARNING on failure."""
+        try:
+            engine = next(
+                (eid for eid, agents in self._remote_agents.items() if agent_name in agents.values()), "unknown"
+            )
+            self._lk_stats.heartbeat(engine, ok)
+            if ok:
+                ids = bytes(notif_msg)[len(_HEARTBEAT_PREFIX):].decode("utf-8", "replace").split(",")
+                self._lk_hb.sent(ids)
+            else:
+                self._lk_hb_warning.warn(
+                    "LeaseKit: heartbeat notification to P engine %s (NIXL agent %s) failed to send; "
+                    "P will expire its leases if this persists longer than E=%s s",
+                    engine, agent_name, self._lk_timing.extension_s,
+                    event="heartbeat_send_failure", remote_engine_id=engine, tp_rank=self.tp_rank,
+                )
+        except Exception as exc:
+            self._lk_errors.report("heartbeat", exc)
 
     def _lk_apply_stall(self) -> None:
         faults = self._lk_faults
@@ -239,7 +266,7 @@ class LeaseKitPullWorker(NixlPullConnectorWorker):
         now = time.perf_counter()
         while faults.delayed and faults.delayed[0][0] <= now:
             _, batch = faults.delayed.pop(0)
-            super()._send_heartbeats(_HeartbeatBatch(batch))
+            super()._send_heartbeats(HeartbeatBatch(batch))
         batch = metadata.heartbeat_by_engine
         if not batch:
             return
@@ -271,6 +298,10 @@ class LeaseKitPullWorker(NixlPullConnectorWorker):
                 for req_id in self._lk.open_ids():
                     if req_id not in self._reqs_to_send:
                         self._lk.abort(req_id, "left _reqs_to_send without release or expiry")
+            if self._lk.active or self._lk_stats.active or self._lk_stats.pinned_blocks:
+                self._lk_stats.state(self._lk.expiring_within(self._lk_timing.heartbeat_interval_s, now))
+            else:
+                self._lk_stats.state(0)
         except Exception as exc:
             self._lk_errors.report("step", exc)
         return results
@@ -328,6 +359,7 @@ class LeaseKitPullWorker(NixlPullConnectorWorker):
         """Abort open lease spans (outcome ``aborted``, reason ``worker shutdown``), flush, stock shutdown."""
         try:
             self._lk.abort_all("worker shutdown")
+            self._lk_hb.untrack_all("worker shutdown")
             self._lk_provider.shutdown()
         except Exception as exc:
             self._lk_errors.report("shutdown", exc)
@@ -353,3 +385,14 @@ class LeaseKitConnector(NixlPullConnector):
             self.connector_worker = LeaseKitPullWorker(vllm_config, self.engine_id, kv_cache_config)
         else:
             raise ValueError(f"Unsupported KVConnectorRole: {role}")
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> LeaseKitKVConnectorStats:
+        """vLLM rebuilds the workers' stats in the API server with this (NIXL's plus lease lists)."""
+        return LeaseKitKVConnectorStats(data=data) if data is not None else LeaseKitKVConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> LeaseKitPromMetrics:
+        """vLLM's NIXL metrics plus the lease metrics (:mod:`leasekit.telemetry.metrics`) on /metrics."""
+        return LeaseKitPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

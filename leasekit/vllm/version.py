@@ -22,8 +22,14 @@ REQUIRED_WORKER_METHODS: tuple[str, ...] = (
     "_reap_expired_send_leases",
     "_send_heartbeats",
     "shutdown",
+    "get_kv_connector_stats",
 )
-REQUIRED_SCHEDULER_METHODS: tuple[str, ...] = ("request_finished", "build_connector_meta")
+REQUIRED_SCHEDULER_METHODS: tuple[str, ...] = (
+    "request_finished",
+    "build_connector_meta",
+    "on_new_request",
+    "_stop_heartbeat",
+)
 
 
 class UnsupportedVllmError(RuntimeError):

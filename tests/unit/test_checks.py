@@ -102,3 +102,21 @@ def test_leases_that_ended_before_the_fault_never_make_a_pass():
     # heartbeats that all arrive after the fault do not count as "exercised" either
     late_only = [lease("A", hbs=(4.0,), end=8.0)]
     assert check_bounded_reclaim(late_only, ["A"], T6, 0.5, fault_at_s=100.0 + 3.9).verdict == UNKNOWN
+
+
+def test_log_evidence_stamp_latency_is_not_a_premature_reclaim():
+    """Stock evidence stamps a heartbeat when the log line is written, after vLLM's clock read: a
+    reap 4-10 ms before last-logged-heartbeat + E (measured under load) is within that uncertainty;
+    50 ms beyond it is still a premature reclaim."""
+    import dataclasses
+
+    from leasekit.telemetry.vllm_log import LOG_STAMP_LATENCY_S
+
+    logged = dataclasses.replace(lease(hbs=(1.0, 2.5), end=6.49), stamp_latency_s=LOG_STAMP_LATENCY_S)
+    row = check_lease_reclaim(logged, T6, tick_s=0.5)
+    assert row.verdict == PASS and "log-stamp uncertainty" in row.reason
+    spans = lease(hbs=(1.0, 2.5), end=6.49)  # the same instants from spans: exact, so premature
+    assert check_lease_reclaim(spans, T6, tick_s=0.5).verdict == FAIL
+    way_early = dataclasses.replace(lease(hbs=(1.0, 2.5), end=6.5 - LOG_STAMP_LATENCY_S - 0.01),
+                                    stamp_latency_s=LOG_STAMP_LATENCY_S)
+    assert check_lease_reclaim(way_early, T6, tick_s=0.5).verdict == FAIL

@@ -1,39 +1,16 @@
 """Telemetry sinks: the embedded span file, and OTLP/HTTP to a real receiver built on opentelemetry-proto."""
 
-import http.server
-import threading
-
 import pytest
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from leasekit.telemetry.provider import TelemetryConfigError, build_tracer_provider
 from leasekit.telemetry.spanfile import read_span_dir
-
-
-class _OtlpReceiver(http.server.BaseHTTPRequestHandler):
-    received: list = []
-
-    def do_POST(self):  # noqa: N802
-        body = self.rfile.read(int(self.headers["Content-Length"]))
-        request = ExportTraceServiceRequest()
-        request.ParseFromString(body)
-        type(self).received.append((self.path, self.headers.get("Content-Type"), request))
-        self.send_response(200)
-        self.send_header("Content-Type", "application/x-protobuf")
-        self.end_headers()
-
-    def log_message(self, *args):
-        pass
+from tests.otlp_receiver import OtlpReceiver
 
 
 @pytest.fixture
 def receiver():
-    _OtlpReceiver.received = []
-    server = http.server.HTTPServer(("127.0.0.1", 0), _OtlpReceiver)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server
-    server.shutdown()
+    with OtlpReceiver() as started:
+        yield started
 
 
 def test_spans_go_to_the_run_dir_file_by_default(tmp_path):
@@ -51,7 +28,7 @@ def test_spans_go_to_the_run_dir_file_by_default(tmp_path):
 
 
 def test_otlp_endpoint_sends_spans_over_otlp_http(tmp_path, receiver):
-    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.server_port}", "OTEL_SERVICE_NAME": "p-fleet"}
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.port}", "OTEL_SERVICE_NAME": "p-fleet"}
     # the exporter reads the standard variables from the process environment
     import os
 
@@ -68,9 +45,9 @@ def test_otlp_endpoint_sends_spans_over_otlp_http(tmp_path, receiver):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    assert sinks == [f"otlp:http://127.0.0.1:{receiver.server_port}"]
-    assert len(_OtlpReceiver.received) == 1
-    path, content_type, request = _OtlpReceiver.received[0]
+    assert sinks == [f"otlp:http://127.0.0.1:{receiver.port}"]
+    assert len(receiver.received) == 1
+    path, content_type, request = receiver.received[0]
     assert path == "/v1/traces" and content_type == "application/x-protobuf"
     resource_spans = request.resource_spans[0]
     attrs = {kv.key: kv.value.string_value for kv in resource_spans.resource.attributes}
@@ -91,3 +68,20 @@ def test_unwritable_run_dir_is_refused_at_start(tmp_path):
     blocker.write_text("not a directory")
     with pytest.raises(TelemetryConfigError, match="LEASEKIT_RUN_DIR"):
         build_tracer_provider(run_dir=blocker, file_stem="x", resource_attributes={}, env={})
+
+
+def test_span_ids_do_not_follow_the_seeded_random_module(tmp_path):
+    """vLLM seeds ``random`` identically in every engine process; two processes' providers must
+    still produce different ids (the SDK default drew them from ``random``)."""
+    import random
+
+    ids = []
+    for _ in range(2):
+        random.seed(0)
+        provider, _sinks = build_tracer_provider(run_dir=None, file_stem="x", resource_attributes={}, env={})
+        span = provider.get_tracer("t").start_span("s")
+        ids.append((span.get_span_context().trace_id, span.get_span_context().span_id))
+        span.end()
+    assert ids[0][0] != ids[1][0] and ids[0][1] != ids[1][1]
+    random.seed(0)
+    assert ids[0][0] != random.getrandbits(128)

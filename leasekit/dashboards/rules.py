@@ -1,0 +1,194 @@
+"""Prometheus recording and alerting rules for the KV lease, generated to
+``dashboards/leasekit-rules.yml`` (Prometheus rule-file format, ``promtool check rules``).
+
+Recording rules follow Prometheus's ``level:metric:operations`` naming
+(prometheus.io/docs/practices/rules/): ``instance:`` keeps ``job, instance``,
+``instance_remote_agent:`` also ``remote_agent`` (P side: the NIXL agent of the D worker P heard
+from), ``instance_remote_engine:`` also ``remote_engine_id`` (D side: the P engine D heartbeats).
+Aggregation rules are those of :mod:`leasekit.dashboards.queries`. Alerts: one per incident class, each with ``for``, a
+``severity`` label and ``summary`` / ``description`` / ``runbook_url`` annotations; the runbook
+sections are in ``docs/runbook.md`` under the lower-cased alert name. Their promtool unit tests
+are ``dashboards/tests/*.yml``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import yaml
+
+from leasekit.dashboards.queries import (
+    config_gauge, per_instance_gauge, quantile, sum_new_or_increased, sum_rate,
+)
+from leasekit.lease.bounds import RECLAIM_LAG_FLOOR_S
+from leasekit.telemetry import metrics as m
+
+FILE_NAME = "leasekit-rules.yml"
+DEFAULT_RUNBOOK_URL = "https://github.com/leasekit/leasekit/blob/main/docs/runbook.md"
+DEFAULT_PINNED_BLOCKS_HIGH = 4096
+"""Default LeasePinnedBlocksHigh threshold in KV blocks per P server: 64 Ki tokens at vLLM's
+default block size 16, half of an 8192-block KV cache. Pinned blocks cannot serve new prefills;
+set it to about half of your P engine's ``num_gpu_blocks`` (vLLM logs the KV cache size at
+start; ``vllm:cache_config_info`` carries it) with ``leasekit dashboards build --pinned-blocks-high``."""
+
+GAP_NEAR_EXTENSION = 0.8
+"""LeaseHeartbeatGapNearExtension fires when heartbeat gap p99 > this fraction of ``E``: a gap
+above ``E`` expires the lease (DESIGN.md: ``expiry = max(expiry, now + E)``)."""
+
+ALERT_NAMES = (
+    "LeaseExpiries", "LeaseExpiriesWhileDecodeHealthy", "LeaseLateCompletions", "LeaseReclaimLagOverBound",
+    "LeasePinnedBlocksHigh", "LeaseHeartbeatGapNearExtension", "LeaseHeartbeatSendFailures",
+)
+"""Every alert of the rule file, in file order (the runbook has one section per name)."""
+
+# recording rule names
+GRANTS_RATE = "instance:leasekit_kv_lease_grants:rate5m"
+EXPIRIES_RATE = "instance:leasekit_kv_lease_expiries:rate5m"
+EXPIRY_RATIO = "instance:leasekit_kv_lease_expiry_ratio:rate5m"
+EXPIRIES_BY_CAUSE = "instance_cause:leasekit_kv_lease_expiries:increase5m"
+EXPIRIES_BY_REMOTE = "instance_remote_agent:leasekit_kv_lease_expiries:increase10m"
+EXTENSIONS_BY_REMOTE = "instance_remote_agent:leasekit_kv_lease_extensions:rate2m"
+LATE_BY_REMOTE = "instance_remote_agent:leasekit_kv_lease_late_completions:increase5m"
+SEND_FAILURES_BY_REMOTE = "instance_remote_engine:leasekit_kv_lease_heartbeat_send_failures:increase5m"
+GAP_P50 = "instance:leasekit_kv_lease_heartbeat_gap_seconds:p50_5m"
+GAP_P99 = "instance:leasekit_kv_lease_heartbeat_gap_seconds:p99_5m"
+LAG_P99 = "instance:leasekit_kv_lease_reclaim_lag_seconds:p99_5m"
+PINNED = "instance:leasekit_kv_lease_pinned_blocks:max_by_rank"
+ACTIVE = "instance:leasekit_kv_leases_active:max_by_rank"
+E_MAX = "instance:leasekit_kv_lease_extension_seconds:max"
+H_MAX = "instance:leasekit_kv_lease_heartbeat_interval_seconds:max"
+
+I = "job, instance"
+IA = "job, instance, remote_agent"  # P side: per D worker
+IE = "job, instance, remote_engine_id"  # D side: per P engine
+
+
+@dataclass(frozen=True)
+class RulesConfig:
+    """Deployment choices baked into the rule file.
+
+    Attributes:
+        runbook_url: URL of ``docs/runbook.md`` (no anchor); alerts link ``<url>#<alertname
+            lower-cased>``.
+        pinned_blocks_high: LeasePinnedBlocksHigh threshold in KV blocks per P server (> 0).
+    """
+
+    runbook_url: str = DEFAULT_RUNBOOK_URL
+    pinned_blocks_high: int = DEFAULT_PINNED_BLOCKS_HIGH
+
+    def __post_init__(self) -> None:
+        if self.pinned_blocks_high <= 0:
+            raise ValueError(f"pinned_blocks_high must be > 0, got {self.pinned_blocks_high}")
+        if not self.runbook_url or "#" in self.runbook_url:
+            raise ValueError(f"runbook_url must be a URL without an anchor, got {self.runbook_url!r}")
+
+
+def recording_rules() -> list[dict[str, str]]:
+    """The recording rules (``{"record": name, "expr": promql}``), in evaluation order."""
+    c = lambda spec: spec.sample_names[0]  # counter series name
+    rules = [(f"instance:{spec.name}:rate5m", sum_rate(c(spec), I, "5m"))
+             for spec in (m.GRANTS, m.EXTENSIONS, m.RELEASES, m.EXPIRIES, m.ABORTS, m.LATE_COMPLETIONS,
+                          m.HEARTBEATS_SENT, m.HEARTBEAT_SEND_FAILURES)]
+    rules += [
+        (EXPIRY_RATIO, f"{EXPIRIES_RATE}\n/\n({GRANTS_RATE} > 0)"),
+        (EXPIRIES_BY_CAUSE, sum_new_or_increased(c(m.EXPIRIES), f"{I}, cause", "5m")),
+        (EXPIRIES_BY_REMOTE, sum_new_or_increased(c(m.EXPIRIES), IA, "10m")),
+        (EXTENSIONS_BY_REMOTE, sum_rate(c(m.EXTENSIONS), IA, "2m")),
+        (LATE_BY_REMOTE, sum_new_or_increased(c(m.LATE_COMPLETIONS), IA, "5m")),
+        (SEND_FAILURES_BY_REMOTE, sum_new_or_increased(c(m.HEARTBEAT_SEND_FAILURES), IE, "5m")),
+        (GAP_P50, quantile(0.5, m.HEARTBEAT_GAP.name + "_bucket", I, "5m")),
+        (GAP_P99, quantile(0.99, m.HEARTBEAT_GAP.name + "_bucket", I, "5m")),
+        (LAG_P99, quantile(0.99, m.RECLAIM_LAG.name + "_bucket", I, "5m")),
+        (PINNED, per_instance_gauge(m.PINNED_BLOCKS.name)),
+        (ACTIVE, per_instance_gauge(m.LEASES_ACTIVE.name)),
+        (E_MAX, config_gauge(m.EXTENSION.name)),
+        (H_MAX, config_gauge(m.HEARTBEAT_INTERVAL.name)),
+    ]
+    return [{"record": name, "expr": expr} for name, expr in rules]
+
+
+def _alert(config: RulesConfig, name: str, expr: str, for_: str, severity: str, summary: str,
+           description: str) -> dict[str, object]:
+    return {"alert": name, "expr": expr, "for": for_, "labels": {"severity": severity},
+            "annotations": {"summary": summary, "description": description,
+                            "runbook_url": f"{config.runbook_url}#{name.lower()}"}}
+
+
+def alerting_rules(config: RulesConfig) -> list[dict[str, object]]:
+    """The alerting rules, in :data:`ALERT_NAMES` order (see docs/runbook.md for each)."""
+    inst, agent, engine = "{{ $labels.instance }}", "{{ $labels.remote_agent }}", "{{ $labels.remote_engine_id }}"
+    return [
+        _alert(config, "LeaseExpiries", f"{EXPIRIES_BY_CAUSE} > 0", "0m", "warning",
+               f"P server {inst} reclaimed expired KV leases (cause {{{{ $labels.cause }}}})",
+               f"P server {inst} expired {{{{ $value }}}} lease(s) with cause {{{{ $labels.cause }}}} in the last 5 "
+               "minutes and reclaimed their KV blocks: D stopped heartbeating those requests (D died, was "
+               "stalled longer than E - H, was cut off from P, or aborted them). The mechanism worked (blocks "
+               "are free again); find out which D went silent and whether it is coming back."),
+        _alert(config, "LeaseExpiriesWhileDecodeHealthy",
+               f"{EXPIRIES_BY_REMOTE} > 0\nand on ({IA})\n{EXTENSIONS_BY_REMOTE} > 0", "5m", "warning",
+               f"Leases on {inst} expire while D worker {agent} still heartbeats",
+               f"P server {inst} reclaimed leases of requests from D worker {agent} (NIXL agent) in the last 10 "
+               "minutes while that worker kept delivering heartbeats (extensions in the last 2 minutes), for 5 "
+               "minutes. D is alive: it stopped heartbeating those requests (client aborts on D do, benignly) or "
+               "its heartbeats arrive later than E (stalls, long forward passes, lost notifications). D may read "
+               "freed blocks. A dead or restarted D never fires this: its agent's extensions stop within 2 minutes."),
+        _alert(config, "LeaseLateCompletions", f"{LATE_BY_REMOTE} > 0", "0m", "critical",
+               f"Late read completions on {inst} from D worker {agent}",
+               f"P server {inst} received read-completion notifications from D worker {agent} (NIXL agent) for "
+               "leases that had already ended, in the last 5 minutes: D read KV blocks P may have freed and "
+               "reused, so the tokens it generated may be wrong (the fail-closed gap: docs/telemetry.md, kv_lease_late_read)."),
+        _alert(config, "LeaseReclaimLagOverBound",
+               f"{LAG_P99}\n> on ({I})\nclamp_min({H_MAX}, {RECLAIM_LAG_FLOOR_S:g})", "1m", "warning",
+               f"Reclaim lag p99 {{{{ $value | humanizeDuration }}}} on {inst} is over the bound",
+               f"P server {inst} frees expired leases' KV blocks {{{{ $value | humanizeDuration }}}} after their "
+               f"deadline (p99 over 5 minutes), more than the tick allowance max(H, {RECLAIM_LAG_FLOOR_S:g} s). "
+               "The bound: reap <= deadline + tick. P's engine loop is stalled or slow, so blocks stay "
+               "pinned past their lease and heartbeats are handled late."),
+        _alert(config, "LeasePinnedBlocksHigh", f"{PINNED} > {config.pinned_blocks_high}", "10m", "warning",
+               f"{{{{ $value }}}} KV blocks pinned under leases on {inst}",
+               f"P server {inst} has kept more than {config.pinned_blocks_high} KV blocks pinned under open leases "
+               "for 10 minutes (sum over engines of the max over TP ranks). Pinned blocks cannot serve new "
+               "prefills. D reads slowly or not at all, or a long D queue keeps leases extended."),
+        _alert(config, "LeaseHeartbeatGapNearExtension",
+               f"{GAP_P99}\n> on ({I})\n{GAP_NEAR_EXTENSION:g} * {E_MAX}", "5m", "warning",
+               f"Heartbeat gap p99 {{{{ $value | humanizeDuration }}}} on {inst} is near the extension E",
+               f"Heartbeats reach P server {inst} with a p99 gap of {{{{ $value | humanizeDuration }}}} over 5 "
+               f"minutes, above {GAP_NEAR_EXTENSION:g} * E. A gap above E expires the lease while D is healthy. "
+               "D's forward passes or P's steps are long, or heartbeats are lost."),
+        _alert(config, "LeaseHeartbeatSendFailures", f"{SEND_FAILURES_BY_REMOTE} > 0", "5m", "warning",
+               f"D server {inst} fails to send heartbeats to P engine {engine}",
+               f"D server {inst} has failed to send heartbeat notifications to P engine {engine} for 5 minutes "
+               "(NIXL send_notif raised). One lost heartbeat is within the loss budget; repeated losses expire "
+               "leases of requests D still holds."),
+    ]
+
+
+def rules_document(config: RulesConfig) -> dict[str, object]:
+    """The rule file as data: ``{"groups": [recording group, alerting group]}``."""
+    return {"groups": [
+        {"name": "leasekit-kv-lease-recording", "rules": recording_rules()},
+        {"name": "leasekit-kv-lease-alerts", "rules": alerting_rules(config)},
+    ]}
+
+
+class _Dumper(yaml.SafeDumper):
+    pass
+
+
+def _str_representer(dumper: yaml.SafeDumper, data: str) -> yaml.Node:
+    style = "|" if "\n" in data else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", data, style=style)
+
+
+_Dumper.add_representer(str, _str_representer)
+
+HEADER = ("# Generated by `leasekit dashboards build` from leasekit/dashboards/rules.py; do not edit.\n"
+          "# Check: promtool check rules dashboards/leasekit-rules.yml; "
+          "promtool test rules dashboards/tests/*.yml\n")
+
+
+def render_yaml(document: dict[str, object]) -> str:
+    """``document`` as deterministic YAML (key order as built, multi-line strings as ``|``
+    blocks) after :data:`HEADER`."""
+    return HEADER + yaml.dump(document, Dumper=_Dumper, sort_keys=False, default_flow_style=False,
+                              width=1000, allow_unicode=False)

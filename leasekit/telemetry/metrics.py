@@ -1,0 +1,175 @@
+"""Every Prometheus metric LeaseKitConnector exports: the one place names, types, units and labels
+are declared (etcd ``server/lease/metrics.go`` keeps its lease metrics in one file the same way).
+
+How they reach ``/metrics``: vLLM runs the connector's workers in other processes. Each worker
+records lease events into its ``KVConnectorStats`` (:mod:`leasekit.vllm.stats`), vLLM ships them
+with the step output to the scheduler and on to the API server, whose ``PrometheusStatLogger``
+hands them to the connector's ``KVConnectorPromMetrics`` (vllm 0.32.0
+``vllm/distributed/kv_transfer/kv_connector/v1/metrics.py``, ``vllm/v1/metrics/loggers.py``).
+So the metrics appear on the ``/metrics`` endpoint of the same vLLM server users already scrape,
+next to vLLM's own ``vllm:nixl_*`` metrics (:data:`VLLM_NIXL_METRICS`, untouched).
+
+Every metric carries vLLM's per-engine labels ``model_name`` and ``engine`` (the engine index
+inside one server) plus the labels listed here. No request ids as labels: per-request detail is
+in the lease spans. Counters say in their help text whether they count per request or per TP rank
+(DESIGN.md invariant 9). All times are seconds.
+
+Remote peers: P-side metrics carry ``remote_agent``, the NIXL agent name of the D worker whose
+notification (heartbeat or read completion) P received. P cannot label by D's engine id: in pull
+mode D's handshake request is only ``(GET_META_MSG, pp_rank, tp_rank)`` (vllm 0.32.0
+``nixl/base_scheduler.py: _nixl_handshake_listener``) and notifications carry only the sender's
+agent name. One agent name per D worker process, so a D restart adds one label value. D-side
+metrics carry ``remote_engine_id``, the P engine id D heartbeats (``kv_transfer_params``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+VLLM_ENGINE_LABELS = ("model_name", "engine")
+"""The labels vLLM puts on every per-engine metric (``vllm/v1/metrics/loggers.py``)."""
+
+PREFIX = "leasekit_kv_lease_"
+
+EXPIRY_CAUSES = ("no_heartbeat", "heartbeat_lapsed")
+"""``cause`` label values of expiries: ``no_heartbeat``: the lease expired without one delivered
+heartbeat (D never tracked it, or died or stalled before its first heartbeat); ``heartbeat_lapsed``:
+heartbeats were delivered, then stopped for longer than the extension ``E``."""
+
+HOLD_OUTCOMES = ("released", "expired", "aborted")
+"""``outcome`` label values of :data:`HOLD` (how the lease ended)."""
+
+UNKNOWN_REMOTE = "unknown"
+"""``remote_agent`` when P never learnt which D worker a lease belongs to (no heartbeat, no read)."""
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One exported metric.
+
+    Attributes:
+        name: the metric family name as scraped (counters without the ``_total`` suffix that
+            prometheus-client appends; see :attr:`sample_names`).
+        kind: ``"counter"``, ``"gauge"`` or ``"histogram"``.
+        help: the help text; for counters it says per request or per TP rank.
+        labels: labels beyond :data:`VLLM_ENGINE_LABELS`.
+        side: ``"P"`` (exported by prefill workers), ``"D"`` (decode workers) or ``"both"``.
+        buckets: histogram bucket upper bounds in seconds (``()`` for other kinds).
+    """
+
+    name: str
+    kind: str
+    help: str
+    labels: tuple[str, ...]
+    side: str
+    buckets: tuple[float, ...] = ()
+
+    @property
+    def sample_names(self) -> tuple[str, ...]:
+        """The series names a scrape shows for this metric (``_total``; ``_bucket/_sum/_count``)."""
+        if self.kind == "counter":
+            return (self.name + "_total",)
+        if self.kind == "histogram":
+            return tuple(self.name + s for s in ("_bucket", "_sum", "_count"))
+        return (self.name,)
+
+
+_RANK = ("tp_rank",)
+
+LEASES_ACTIVE = MetricSpec(
+    "leasekit_kv_leases_active", "gauge",
+    "Leases P holds open now (requests whose KV blocks are pinned awaiting D's read), per TP rank.",
+    _RANK, "P")
+PINNED_BLOCKS = MetricSpec(
+    PREFIX + "pinned_blocks", "gauge",
+    "KV blocks pinned under open leases now, per TP rank.", _RANK, "P")
+EXPIRING_SOON = MetricSpec(
+    "leasekit_kv_leases_expiring_soon", "gauge",
+    "Open leases whose deadline is less than one heartbeat interval H away (a heartbeat is overdue), "
+    "per TP rank.", _RANK, "P")
+GRANTS = MetricSpec(
+    PREFIX + "grants", "counter",
+    "Leases granted: counts per request per TP rank (a request served by 2 P ranks counts 2).", _RANK, "P")
+EXTENSIONS = MetricSpec(
+    PREFIX + "extensions", "counter",
+    "Lease extensions by delivered heartbeats: counts per request per TP rank (one heartbeat naming 3 "
+    "requests counts 3).", _RANK + ("remote_agent",), "P")
+RELEASES = MetricSpec(
+    PREFIX + "releases", "counter",
+    "Leases released because every consumer rank read the blocks: counts per request per TP rank.", _RANK, "P")
+EXPIRIES = MetricSpec(
+    PREFIX + "expiries", "counter",
+    "Leases expired and their KV blocks reclaimed by P's reaper: counts per request per TP rank. Never "
+    "counted as a transport failure.", _RANK + ("remote_agent", "cause"), "P")
+ABORTS = MetricSpec(
+    PREFIX + "aborts", "counter",
+    "Leases ended neither by release nor expiry (request aborted, worker shutdown): counts per request "
+    "per TP rank.", _RANK, "P")
+LATE_COMPLETIONS = MetricSpec(
+    PREFIX + "late_completions", "counter",
+    "Read-completion notifications for a lease that had already ended (the read may have used freed KV "
+    "blocks): counts per notification, i.e. per request per consumer rank, per P TP rank.",
+    _RANK + ("remote_agent",), "P")
+HEARTBEATS_SENT = MetricSpec(
+    PREFIX + "heartbeats_sent", "counter",
+    "Heartbeat notifications D sent: counts per notification (one per remote P engine per P TP rank per "
+    "heartbeat interval, naming all of that engine's requests), per D TP rank.",
+    _RANK + ("remote_engine_id",), "D")
+HEARTBEAT_SEND_FAILURES = MetricSpec(
+    PREFIX + "heartbeat_send_failures", "counter",
+    "Heartbeat notifications D failed to send (NIXL send_notif raised): counts per notification, per D "
+    "TP rank.", _RANK + ("remote_engine_id",), "D")
+HOLD = MetricSpec(
+    PREFIX + "hold_seconds", "histogram",
+    "Seconds from grant to the lease's end (P's clock), by outcome.", _RANK + ("outcome",), "P",
+    (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 6, 8, 10, 15, 20, 30, 45, 60, 120, 300, 600))
+HEARTBEAT_GAP = MetricSpec(
+    PREFIX + "heartbeat_gap_seconds", "histogram",
+    "Seconds between consecutive delivered heartbeats for one lease (the first gap runs from the grant), "
+    "on P's clock. Compare with the extension E: a gap above E expires the lease.", _RANK, "P",
+    (0.05, 0.1, 0.25, 0.5, 1, 1.5, 2, 3, 4, 5, 6, 8, 10, 15, 20, 30, 60))
+RECLAIM_LAG = MetricSpec(
+    PREFIX + "reclaim_lag_seconds", "histogram",
+    "Seconds from an expired lease's deadline to P freeing its KV blocks (the reaper's tick).", _RANK, "P",
+    (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30))
+DURATION = MetricSpec(
+    PREFIX + "duration_seconds", "gauge",
+    "Configured kv_lease_duration L in seconds.", ("kv_role",), "both")
+HEARTBEAT_INTERVAL = MetricSpec(
+    PREFIX + "heartbeat_interval_seconds", "gauge",
+    "Heartbeat interval H = L // 6 in seconds (vLLM nixl/base_scheduler.py).", ("kv_role",), "both")
+EXTENSION = MetricSpec(
+    PREFIX + "extension_seconds", "gauge",
+    "Extension E = L * 2 // 3 in seconds a heartbeat sets the deadline to (vLLM nixl/base_worker.py).",
+    ("kv_role",), "both")
+
+LEASEKIT_METRICS: tuple[MetricSpec, ...] = (
+    LEASES_ACTIVE, PINNED_BLOCKS, EXPIRING_SOON, GRANTS, EXTENSIONS, RELEASES, EXPIRIES, ABORTS,
+    LATE_COMPLETIONS, HEARTBEATS_SENT, HEARTBEAT_SEND_FAILURES, HOLD, HEARTBEAT_GAP, RECLAIM_LAG,
+    DURATION, HEARTBEAT_INTERVAL, EXTENSION,
+)
+"""Every metric LeaseKitConnector exports, in documentation order."""
+
+VLLM_NIXL_METRICS: dict[str, str] = {
+    "vllm:nixl_xfer_time_seconds": "histogram",
+    "vllm:nixl_post_time_seconds": "histogram",
+    "vllm:nixl_bytes_transferred": "histogram",
+    "vllm:nixl_num_descriptors": "histogram",
+    "vllm:nixl_num_failed_transfers": "counter",
+    "vllm:nixl_num_failed_notifications": "counter",
+    "vllm:nixl_num_kv_expired_reqs": "counter",
+    "vllm:nixl_num_notifications_after_expiry": "counter",
+}
+"""vLLM's own NIXL metrics (vllm 0.32.0 ``nixl/stats.py: NixlPromMetrics``), exported unchanged by
+LeaseKitConnector next to ours; name -> kind."""
+
+
+def exported_series_names() -> frozenset[str]:
+    """Every series name a scrape of a LeaseKitConnector server can show for lease/NIXL metrics
+    (``_total``, ``_bucket``, ``_sum``, ``_count`` expanded), for checking dashboard and rule queries."""
+    names: set[str] = set()
+    for spec in LEASEKIT_METRICS:
+        names.update(spec.sample_names)
+    for name, kind in VLLM_NIXL_METRICS.items():
+        names.update(MetricSpec(name, kind, "", (), "both").sample_names)
+    return frozenset(names)

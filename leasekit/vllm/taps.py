@@ -1,0 +1,80 @@
+"""What LeaseKitConnector puts between vLLM's NIXL worker and NIXL: a notification tap, the stand-in
+metadata for delayed heartbeats, and rate-limited telemetry error reports. No vLLM import here.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from leasekit.telemetry.lease_log import RateLimitedWarning
+
+HEARTBEAT_PREFIX = b"HB:"
+"""Heartbeat notifications are ``b"HB:" + b",".join(ids)`` (vllm 0.32.0 ``nixl/base_worker.py``)."""
+
+
+class TelemetryErrors:
+    """Reports telemetry failures as a WARNING at most once per ``interval_s`` seconds, with the
+    count suppressed (:class:`~leasekit.telemetry.lease_log.RateLimitedWarning`); never raises.
+
+    Args:
+        logger: where the warnings go; interval_s: seconds between two records (> 0).
+    """
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 10.0):
+        self._warning = RateLimitedWarning(logger, interval_s)
+
+    def report(self, where: str, exc: BaseException) -> None:
+        """Log that telemetry failed in ``where`` with ``exc`` (rate-limited)."""
+        self._warning.warn(
+            "LeaseKit telemetry failed in %s (%s: %s). Serving continues; lease spans may be incomplete.",
+            where, type(exc).__name__, exc,
+        )
+
+
+class NotificationTap:
+    """Wraps vLLM's NIXL wrapper (args: ``wrapped``; ``on_heartbeat_sent(agent, msg, ok)`` or None).
+
+    Delegates to the NIXL wrapper; remembers the last ``get_new_notifs`` batch (agent -> msgs)."""
+
+    def __init__(self, wrapped: Any, on_heartbeat_sent: Any = None):
+        self._wrapped = wrapped
+        self.last_batch: dict[str, list[bytes]] = {}
+        self._agent_by_msg: dict[bytes, str] | None = None
+        self._on_heartbeat_sent = on_heartbeat_sent  # (agent_name, notif_msg, ok) -> None
+
+    def send_notif(self, agent_name: str, notif_msg: bytes, *args: Any, **kwargs: Any) -> Any:
+        """NIXL ``send_notif``; heartbeats (``HB:``) are reported to ``on_heartbeat_sent`` with
+        whether the send raised (the exception still propagates to vLLM, which logs it at DEBUG)."""
+        if self._on_heartbeat_sent is None or not bytes(notif_msg).startswith(HEARTBEAT_PREFIX):
+            return self._wrapped.send_notif(agent_name, notif_msg, *args, **kwargs)
+        try:
+            result = self._wrapped.send_notif(agent_name, notif_msg, *args, **kwargs)
+        except Exception:
+            self._on_heartbeat_sent(agent_name, notif_msg, False)
+            raise
+        self._on_heartbeat_sent(agent_name, notif_msg, True)
+        return result
+
+    def get_new_notifs(self, *args: Any, **kwargs: Any) -> dict[str, list[bytes]]:
+        """NIXL ``get_new_notifs``; the batch (agent name -> messages) is kept in ``last_batch``."""
+        batch = self._wrapped.get_new_notifs(*args, **kwargs)
+        self.last_batch = batch
+        self._agent_by_msg = None
+        return batch
+
+    def agent_of(self, msg: bytes) -> str | None:
+        """The agent that sent ``msg`` in the last batch (None if not found)."""
+        if self._agent_by_msg is None:
+            self._agent_by_msg = {m: agent for agent, msgs in self.last_batch.items() for m in msgs}
+        return self._agent_by_msg.get(msg)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._wrapped, name)
+
+
+class HeartbeatBatch:
+    """Minimal metadata carrying a delayed ``heartbeat_by_engine`` (all ``_send_heartbeats`` reads)."""
+
+    def __init__(self, heartbeat_by_engine: dict):
+        self.heartbeat_by_engine = heartbeat_by_engine
