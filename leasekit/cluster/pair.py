@@ -63,7 +63,8 @@ class PairSpec:
     around both servers (for nftables faults), connector fault-control files, and millisecond lease
     logging (the evidence for stock connectors, which write no spans), and vLLM's own request tracing
     (``--otlp-traces-endpoint``, OTLP over HTTP/protobuf; vLLM keeps an incoming ``traceparent`` only
-    when tracing is on, ``vllm/v1/engine/async_llm.py``)."""
+    when tracing is on, ``vllm/v1/engine/async_llm.py``), and LeaseKit P's max hold in seconds
+    (``leasekit_max_hold_s``; None keeps the connector's default)."""
 
     prefill_connector: str = "leasekit"
     decode_connector: str = "leasekit"
@@ -82,6 +83,7 @@ class PairSpec:
     lease_logging: bool = False
     warm_up: bool = True
     otlp_traces_endpoint: str | None = None
+    prefill_max_hold_s: float | None = None
 
     def launch_key(self) -> tuple:
         """Everything that needs a fresh pair when it changes."""
@@ -178,6 +180,10 @@ class PDPair:
                 command_prefix=prefix,
                 bind_host=bind_host,
                 url_host=url_host,
+                connector_extra=(
+                    {"leasekit_max_hold_s": self.spec.prefill_max_hold_s}
+                    if role == "prefill" and self.spec.prefill_max_hold_s is not None else {}
+                ),
             ),
             self.run_dir,
         )

@@ -56,6 +56,8 @@ class ServerSpec:
             ``ip netns exec NAME``), outermost first.
         bind_host / url_host: where the server listens and where clients reach it (a network
             namespace binds 0.0.0.0 and is reached on its veth address).
+        connector_extra: extra ``kv_connector_extra_config`` entries for LeaseKitConnector (e.g.
+            ``{"leasekit_max_hold_s": 10}``); ignored for the stock connector.
     """
 
     name: str
@@ -74,6 +76,7 @@ class ServerSpec:
     command_prefix: list[str] = field(default_factory=list)
     bind_host: str = "127.0.0.1"
     url_host: str = "127.0.0.1"
+    connector_extra: dict[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.role not in KV_ROLES:
@@ -91,6 +94,7 @@ class ServerSpec:
         if self.connector == "leasekit":
             config["kv_connector_module_path"] = CONNECTOR_MODULE_PATH
             config["kv_connector_extra_config"]["leasekit_run_dir"] = str(run_dir)
+            config["kv_connector_extra_config"].update(self.connector_extra)
         return config
 
 

@@ -77,9 +77,10 @@ def _lifecycle() -> list[Builder]:
                    m.LATE_COMPLETIONS.help + " Any value above 0 fires LeaseLateCompletions.",
                    [Query(sum_increase(_c(m.LATE_COMPLETIONS), I + ", remote_agent", W, F),
                           "{{instance}} from {{remote_agent}}")], "short", width=12),
-        timeseries("Lease hold time p50 / p99 by outcome", m.HOLD.help,
+        timeseries("Lease hold time p50 / p99 by outcome vs max hold", m.HOLD.help + " " + m.MAX_HOLD.help,
                    [Query(quantile(q, _bucket(m.HOLD), I + ", outcome", W, F), f"{{{{instance}}}} {{{{outcome}}}} p{p}")
-                    for q, p in ((0.5, 50), (0.99, 99))], "s", width=12),
+                    for q, p in ((0.5, 50), (0.99, 99))]
+                   + [Query(config_gauge(m.MAX_HOLD.name, I, F), "{{instance}} max hold (cap)")], "s", width=12),
     ]
 
 
@@ -130,6 +131,20 @@ def _per_remote_peer() -> list[Builder]:
                    [Query(sum_rate(_c(m.HEARTBEATS_SENT), engine, W, F), "{{instance}} -> {{remote_engine_id}} sent"),
                     Query(sum_rate(_c(m.HEARTBEAT_SEND_FAILURES), engine, W, F),
                           "{{instance}} -> {{remote_engine_id}} failed")], "ops"),
+        timeseries("Notifications dropped by reason (P)", m.NOTIFICATIONS_DROPPED.help + " Malformed reasons "
+                   "(not_utf8, no_colon, bad_count, ...) would crash stock P's engine; foreign_* are heartbeats or "
+                   "completions from an agent the lease is not bound to (a misrouted or forging peer).",
+                   [Query(sum_rate(_c(m.NOTIFICATIONS_DROPPED), I + ", reason", W, F), "{{instance}} {{reason}}")],
+                   "ops", width=24, stacked=True),
+        timeseries("Handshake listener up (P)", m.HANDSHAKE_LISTENER_UP.help + " Per server: the min over "
+                   "engines (one engine down is down). Stock vLLM 0.32's listener dies on one malformed request.",
+                   [Query(f"min by ({I}) ({m.HANDSHAKE_LISTENER_UP.name}{{{F}}})", "{{instance}} up")],
+                   "short", width=12),
+        timeseries("Handshake requests / bad requests by reason (P)",
+                   m.HANDSHAKE_REQUESTS.help + " Bad: " + m.HANDSHAKE_BAD_REQUESTS.help,
+                   [Query(sum_rate(_c(m.HANDSHAKE_REQUESTS), I, W, F), "{{instance}} answered"),
+                    Query(sum_rate(_c(m.HANDSHAKE_BAD_REQUESTS), I + ", reason", W, F), "{{instance}} bad {{reason}}")],
+                   "ops", width=12),
     ]
 
 

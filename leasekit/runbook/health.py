@@ -11,8 +11,15 @@ Verdict rules (first match wins; sources in brackets):
   ``vllm:nixl_num_notifications_after_expiry`` > 0: D read blocks of a lease P had already ended,
   so the read may have used freed or reused KV blocks [DESIGN.md invariant 5; vllm 0.32.0
   ``nixl/stats.py`` "the reader may have consumed KV blocks that were already reused"].
+- ``CRITICAL``: ``leasekit_kv_handshake_listener_up`` is 0 for any engine: P's NIXL side-channel
+  handshake listener thread is not running, so no new D engine can connect, although ``/health``
+  stays 200 [vllm 0.32.0 ``nixl/base_scheduler.py: _nixl_handshake_listener``: the stock thread dies
+  on one malformed request; :mod:`leasekit.vllm.listener`]. The gauge is updated at P's engine
+  steps, so an idle P shows its last report.
 - ``DEGRADED``: expiries > 0, vLLM's ``vllm:nixl_num_kv_expired_reqs`` > 0, leases expiring soon
-  (a heartbeat overdue) > 0, or heartbeat send failures > 0 [metrics catalog help texts].
+  (a heartbeat overdue) > 0, heartbeat send failures > 0, or malformed handshake requests refused
+  > 0 (``leasekit_kv_handshake_bad_requests``: a D with a mismatched parallel config, or a foreign
+  client, is hitting P's side channel; that peer could not connect) [metrics catalog help texts].
 - ``OK`` otherwise.
 
 Counters are read as given: totals since the server started for one scrape, increases over the
@@ -59,6 +66,12 @@ VLLM_COUNTERS: dict[str, str] = {
 }
 """vLLM's own NIXL counters reported next to ours (family name -> sample name)."""
 
+LISTENER_COUNTERS: dict[str, str] = {
+    "handshake_requests": m.HANDSHAKE_REQUESTS.sample_names[0],
+    "handshake_bad_requests": m.HANDSHAKE_BAD_REQUESTS.sample_names[0],
+}
+"""Report key -> counter sample name of P's handshake listener (per server engine, not per TP rank)."""
+
 def remote_label(spec: m.MetricSpec) -> str:
     """The label naming the remote peer on ``spec`` (from the catalog: ``remote_agent`` on P-side
     metrics, ``remote_engine_id`` on D-side ones).
@@ -84,6 +97,18 @@ e.g. ``expiries_by_remote_agent``, ``heartbeat_send_failures_by_remote_engine_id
 _EXPIRIES_BY_REMOTE = f"expiries_by_{remote_label(m.EXPIRIES)}"
 _LATE_BY_REMOTE = f"late_completions_by_{remote_label(m.LATE_COMPLETIONS)}"
 _HB_FAIL_BY_REMOTE = f"heartbeat_send_failures_by_{remote_label(m.HEARTBEAT_SEND_FAILURES)}"
+
+
+_BAD_HANDSHAKES_BY_REASON = "handshake_bad_requests_by_reason"
+
+
+def _listener(series: dict[str, list[Sample]]) -> dict[str, Any]:
+    """``{"up": 1|0|None, "down_engines": [engine, ...]}`` from ``leasekit_kv_handshake_listener_up``:
+    up is 0 when any engine reports 0, None when no engine reports (a D, a stock P, or a P that has
+    not stepped since it started)."""
+    samples = series.get(m.HANDSHAKE_LISTENER_UP.name, ())
+    down = sorted({s.labels.get("engine", "") for s in samples if s.value == 0})
+    return {"up": None if not samples else (0 if down else 1), "down_engines": down}
 
 
 _CONFIG = {"lease_duration_s": m.DURATION.name, "heartbeat_interval_s": m.HEARTBEAT_INTERVAL.name,
@@ -153,8 +178,10 @@ def summarize(samples: list[Sample], families: Iterable[str] = ()) -> dict[str, 
     Returns:
         ``{"has_lease_metrics": bool, "has_vllm_nixl_metrics": bool, "config": {kv_roles,
         lease_duration_s, heartbeat_interval_s, extension_s}, "gauges": {key: n}, "counters":
-        {key: n, "vllm:nixl_...": n}, "breakdown": {key: {label value: n}}, "ranks": [{engine,
-        tp_rank, <gauge and counter keys>}], "notes": [str]}``. Gauges are the sum over engines of the
+        {key: n, "vllm:nixl_...": n, "handshake_...": n}, "breakdown": {key: {label value: n}},
+        "listener": {"up": 1|0|None, "down_engines": [engine]}, "ranks": [{engine, tp_rank, <gauge
+        and counter keys>}], "notes": [str]}``; ``breakdown["handshake_bad_requests_by_reason"]``
+        lists non-zero reasons only. Gauges are the sum over engines of the
         max over TP ranks (every rank pins its share of the same requests' blocks and holds its own
         lease on the same requests: summing ranks would multiply by the TP size; the same rule as the
         dashboard and LeasePinnedBlocksHigh). Counters are summed over every label (they count per
@@ -165,12 +192,17 @@ def summarize(samples: list[Sample], families: Iterable[str] = ()) -> dict[str, 
     gauges = {k: _number(_sum_of_rank_max(series.get(n, ()))) for k, n in GAUGES.items()}
     counters = {k: _number(sum(s.value for s in series.get(n, ()))) for k, n in COUNTERS.items()}
     counters.update({k: _number(sum(s.value for s in series.get(n, ()))) for k, n in VLLM_COUNTERS.items()})
+    counters.update({k: _number(sum(s.value for s in series.get(n, ()))) for k, n in LISTENER_COUNTERS.items()})
     breakdown: dict[str, dict[str, int | float]] = {}
     for key, (name, label) in BREAKDOWNS.items():
         acc: dict[str, float] = defaultdict(float)
         for s in series.get(name, ()):
             acc[s.labels.get(label, "")] += s.value
         breakdown[key] = {k: _number(v) for k, v in sorted(acc.items())}
+    bad_by_reason: dict[str, float] = defaultdict(float)
+    for s in series.get(LISTENER_COUNTERS["handshake_bad_requests"], ()):
+        bad_by_reason[s.labels.get("reason", "")] += s.value
+    breakdown[_BAD_HANDSHAKES_BY_REASON] = {k: _number(v) for k, v in sorted(bad_by_reason.items()) if v}
     rows: dict[tuple[str, str], dict[str, Any]] = {}
     for key in _RANK_KEYS:
         name = GAUGES.get(key) or COUNTERS[key]
@@ -193,6 +225,7 @@ def summarize(samples: list[Sample], families: Iterable[str] = ()) -> dict[str, 
         "gauges": gauges,
         "counters": counters,
         "breakdown": breakdown,
+        "listener": _listener(series),
         "ranks": sorted(rows.values(), key=_rank_sort_key),
         "notes": notes,
     }
@@ -234,6 +267,10 @@ def verdict(summary: dict[str, Any], *, window: str = "since start") -> tuple[st
     if c["vllm:nixl_num_notifications_after_expiry"] > 0:
         critical.append(f"vllm:nixl_num_notifications_after_expiry = {c['vllm:nixl_num_notifications_after_expiry']} "
                         f"{window}: read completions for expired requests (vLLM's count)")
+    listener = summary.get("listener") or {}
+    if listener.get("up") == 0:
+        critical.append(f"NIXL handshake listener down (engine {', '.join(listener['down_engines'])}): no new D "
+                        "engine can connect to this P, although /health answers 200")
     if c["expiries"] > 0:
         causes = ", ".join(f"{k}={v}" for k, v in b["expiries_by_cause"].items())
         remotes = ", ".join(f"{k}={v}" for k, v in b[_EXPIRIES_BY_REMOTE].items())
@@ -248,6 +285,10 @@ def verdict(summary: dict[str, Any], *, window: str = "since start") -> tuple[st
         by = ", ".join(f"{k}={v}" for k, v in b[_HB_FAIL_BY_REMOTE].items())
         degraded.append(f"{c['heartbeat_send_failures']} heartbeat send failure(s) {window} (by "
                         f"{remote_label(m.HEARTBEAT_SEND_FAILURES)}: {by})")
+    if c.get("handshake_bad_requests", 0) > 0:
+        by = ", ".join(f"{k}={v}" for k, v in b.get(_BAD_HANDSHAKES_BY_REASON, {}).items())
+        degraded.append(f"{c['handshake_bad_requests']} malformed handshake request(s) refused {window} (by reason: "
+                        f"{by}): a D with a mismatched config, or a foreign client, could not connect")
     if critical:
         return CRITICAL, critical + degraded
     if degraded:

@@ -42,8 +42,9 @@ def _empty_entry(url: str) -> dict[str, Any]:
         "url": url, "verdict": h.UNKNOWN, "reasons": [], "error": None, "notes": [],
         "config": {"kv_roles": [], "lease_duration_s": None, "heartbeat_interval_s": None, "extension_s": None},
         "gauges": {k: None for k in h.GAUGES},
-        "counters": {k: None for k in (*h.COUNTERS, *h.VLLM_COUNTERS)},
-        "breakdown": {k: {} for k in h.BREAKDOWNS},
+        "counters": {k: None for k in (*h.COUNTERS, *h.VLLM_COUNTERS, *h.LISTENER_COUNTERS)},
+        "breakdown": {k: {} for k in (*h.BREAKDOWNS, "handshake_bad_requests_by_reason")},
+        "listener": {"up": None, "down_engines": []},
         "elapsed_s": None, "rates_per_s": None, "counter_resets": None, "ranks": [],
     }
 
@@ -53,7 +54,7 @@ def server_entry(first: Scrape, second: Scrape | None = None) -> dict[str, Any]:
 
     Returns:
         A dict with always the same keys: ``url, verdict, reasons, error, notes, config, gauges,
-        counters, breakdown, elapsed_s, rates_per_s, counter_resets, ranks`` (see
+        counters, breakdown, listener, elapsed_s, rates_per_s, counter_resets, ranks`` (see
         :func:`leasekit.runbook.health.summarize`); values are None/empty where unknown, and
         ``elapsed_s`` (seconds between the two responses), ``rates_per_s`` and ``counter_resets`` are
         None for a single scrape.
@@ -77,7 +78,7 @@ def server_entry(first: Scrape, second: Scrape | None = None) -> dict[str, Any]:
     summary = h.summarize(samples, families)
     entry["verdict"], entry["reasons"] = h.verdict(summary, window=window)
     entry["notes"] = summary["notes"]
-    for key in ("config", "gauges", "counters", "breakdown", "ranks"):
+    for key in ("config", "gauges", "counters", "breakdown", "listener", "ranks"):
         entry[key] = summary[key]
     if second is not None:
         entry["rates_per_s"] = {k: v / entry["elapsed_s"] for k, v in summary["counters"].items()}
@@ -148,6 +149,13 @@ def _server_rows(entry: dict[str, Any]) -> list[tuple[str, Any]]:
     for key in ("aborts", "late_completions", "heartbeats_sent", "heartbeat_send_failures", *h.VLLM_COUNTERS):
         rows.append((key.replace("_", " ") if not key.startswith("vllm:") else key, _count(entry, key)))
     rows += [("  " + key.replace("_", " "), fmt_mapping(b[key])) for key in h.BREAKDOWNS if b[key]]
+    up = entry["listener"]["up"]
+    rows.append(("handshake listener", "-" if up is None else "up" if up else
+                 f"DOWN (engine {', '.join(entry['listener']['down_engines'])})"))
+    rows += [("handshake requests", _count(entry, "handshake_requests")),
+             ("bad handshake requests", _count(entry, "handshake_bad_requests"))]
+    if b["handshake_bad_requests_by_reason"]:
+        rows.append(("  by reason", fmt_mapping(b["handshake_bad_requests_by_reason"])))
     return rows
 
 

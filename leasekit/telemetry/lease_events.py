@@ -21,6 +21,7 @@ KINDS = (GRANT, EXTEND, RELEASE, EXPIRE, ABORT, LATE_READ)
 
 CAUSE_NO_HEARTBEAT = "no_heartbeat"
 CAUSE_HEARTBEAT_LAPSED = "heartbeat_lapsed"
+CAUSE_MAX_HOLD = "max_hold"
 
 
 @dataclass(frozen=True, slots=True)

@@ -120,6 +120,11 @@ class LeaseSpanRecorder:
         lease = self._open.get(req_id)
         return None if lease is None else lease.deadline_s
 
+    def grant_time(self, req_id: str) -> float | None:
+        """When ``req_id``'s open lease was granted (deadline at grant minus ``L``; seconds, worker clock), or None."""
+        lease = self._open.get(req_id)
+        return None if lease is None else lease.grant_s
+
     def expiring_within(self, seconds: float, now: float | None = None) -> int:
         """How many open leases have a deadline less than ``seconds`` away (O(open leases))."""
         now = self._clock() if now is None else now
@@ -225,12 +230,14 @@ class LeaseSpanRecorder:
         """End the lease with outcome ``released`` (all consumers read it). False if unknown."""
         return self._end(req_id, sc.OUTCOME_RELEASED, sc.EVENT_RELEASE, now)
 
-    def expire(self, req_id: str, *, step_gap_s: float | None = None, now: float | None = None) -> bool:
+    def expire(self, req_id: str, *, step_gap_s: float | None = None, now: float | None = None,
+               cause: str | None = None) -> bool:
         """End the lease with outcome ``expired`` (reaped at or after its deadline). False if unknown.
 
         ``step_gap_s``: seconds since P's previous engine step (the tick this reap waited on).
+        ``cause``: overrides the derived cause (``no_heartbeat``/``heartbeat_lapsed``), e.g. ``max_hold``.
         """
-        return self._end(req_id, sc.OUTCOME_EXPIRED, sc.EVENT_EXPIRE, now, step_gap_s=step_gap_s)
+        return self._end(req_id, sc.OUTCOME_EXPIRED, sc.EVENT_EXPIRE, now, step_gap_s=step_gap_s, cause=cause)
 
     def abort(self, req_id: str, reason: str, *, now: float | None = None) -> bool:
         """End the lease with outcome ``aborted`` (freed neither by release nor expiry). False if unknown."""
@@ -275,6 +282,7 @@ class LeaseSpanRecorder:
         *,
         step_gap_s: float | None = None,
         reason: str | None = None,
+        cause: str | None = None,
     ) -> bool:
         lease = self._open.pop(req_id, None)
         if lease is None:
@@ -299,8 +307,14 @@ class LeaseSpanRecorder:
         }
         if lease.last_extend_s is not None:
             attributes[sc.LAST_EXTEND_MONOTONIC_S] = lease.last_extend_s
-        if outcome == sc.OUTCOME_EXPIRED:
+        expired = outcome == sc.OUTCOME_EXPIRED
+        if not expired:
+            cause = None
+        elif cause is None:
+            cause = ev.CAUSE_NO_HEARTBEAT if lease.extend_count == 0 else ev.CAUSE_HEARTBEAT_LAPSED
+        if expired:
             attributes[sc.RECLAIM_LAG_S] = now - lease.deadline_s
+            attributes[sc.EXPIRY_CAUSE] = cause
         if step_gap_s is not None:
             attributes[sc.STEP_GAP_S] = step_gap_s
         if reason:
@@ -310,10 +324,6 @@ class LeaseSpanRecorder:
         self._ended[req_id] = (outcome, now)
         while len(self._ended) > self._ended_memory:
             self._ended.popitem(last=False)
-        expired = outcome == sc.OUTCOME_EXPIRED
-        cause = None
-        if expired:
-            cause = ev.CAUSE_NO_HEARTBEAT if lease.extend_count == 0 else ev.CAUSE_HEARTBEAT_LAPSED
         self._emit(
             event,
             req_id,

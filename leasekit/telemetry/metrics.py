@@ -31,10 +31,22 @@ VLLM_ENGINE_LABELS = ("model_name", "engine")
 
 PREFIX = "leasekit_kv_lease_"
 
-EXPIRY_CAUSES = ("no_heartbeat", "heartbeat_lapsed")
+EXPIRY_CAUSES = ("no_heartbeat", "heartbeat_lapsed", "max_hold")
 """``cause`` label values of expiries: ``no_heartbeat``: the lease expired without one delivered
 heartbeat (D never tracked it, or died or stalled before its first heartbeat); ``heartbeat_lapsed``:
-heartbeats were delivered, then stopped for longer than the extension ``E``."""
+heartbeats were delivered, then stopped for longer than the extension ``E``; ``max_hold``: the lease
+reached its hard cap on total life (``leasekit_max_hold_s``, default 480 s) while still heartbeated."""
+
+NOTIFICATION_DROP_REASONS = (
+    "oversized", "not_utf8", "empty", "no_colon", "bad_count", "empty_id", "bad_id", "not_bytes",
+    "unknown_id", "duplicate", "foreign_heartbeat", "foreign_completion", "internal_error",
+)
+"""``reason`` label values of :data:`NOTIFICATIONS_DROPPED`: the codec's refusals
+(:data:`leasekit.lease.codec.DECODE_ERROR_REASONS`), then ``unknown_id`` (a completion for a request P
+never held), ``duplicate`` (a second completion from the same D agent for one lease),
+``foreign_heartbeat`` / ``foreign_completion`` (from a NIXL agent other than the one the lease is
+bound to, :mod:`leasekit.lease.binding`) and ``internal_error`` (a bug in our handling; the message
+was dropped instead of crashing P's engine)."""
 
 HOLD_OUTCOMES = ("released", "expired", "aborted")
 """``outcome`` label values of :data:`HOLD` (how the lease ended)."""
@@ -143,10 +155,45 @@ EXTENSION = MetricSpec(
     "Extension E = L * 2 // 3 in seconds a heartbeat sets the deadline to (vLLM nixl/base_worker.py).",
     ("kv_role",), "both")
 
+NOTIFICATIONS_DROPPED = MetricSpec(
+    PREFIX + "notifications_dropped", "counter",
+    "NIXL notifications P received and dropped without acting on them (malformed, oversized, unknown "
+    "request, duplicate, or from an agent the lease is not bound to): counts per notification (per "
+    "request id for heartbeat ids from a foreign agent), per P TP rank.", _RANK + ("reason",), "P")
+MAX_HOLD = MetricSpec(
+    PREFIX + "max_hold_seconds", "gauge",
+    "Configured hard cap on one lease's total life in seconds (leasekit_max_hold_s; default 480, vLLM's "
+    "old abort timeout): heartbeats never extend a lease past grant + this.", ("kv_role",), "both")
+
+HANDSHAKE_BAD_REASONS = (
+    "bad_frames", "oversized", "bad_msgpack", "bad_shape", "unknown_tag", "unknown_rank", "internal_error",
+)
+"""``reason`` label values of :data:`HANDSHAKE_BAD_REQUESTS` (:mod:`leasekit.vllm.listener`):
+``bad_frames``: not a ZMQ REQ envelope ``[identity, b"", payload]`` (extra or missing frames);
+``oversized``: a frame above the listener's request limit; ``bad_msgpack``: the payload is not
+msgpack; ``bad_shape``: not an array ``(tag, pp_rank, tp_rank)`` of bytes and two ints;
+``unknown_tag``: a tag other than vLLM's ``GET_META_MSG``; ``unknown_rank``: a ``(pp_rank, tp_rank)``
+this P does not serve; ``internal_error``: a bug in our handling (the request was dropped, the
+listener kept running)."""
+
+HANDSHAKE_LISTENER_UP = MetricSpec(
+    "leasekit_kv_handshake_listener_up", "gauge",
+    "1 while P's NIXL side-channel handshake listener thread runs and answers requests, 0 when it is down "
+    "(no new D engine can connect). Per server engine; updated at P's engine steps.", (), "P")
+HANDSHAKE_REQUESTS = MetricSpec(
+    "leasekit_kv_handshake_requests", "counter",
+    "Well-formed NIXL side-channel handshake requests P's listener answered with its agent metadata: "
+    "counts per request (a D worker sends one per P rank it reads from when it first connects).", (), "P")
+HANDSHAKE_BAD_REQUESTS = MetricSpec(
+    "leasekit_kv_handshake_bad_requests", "counter",
+    "Malformed NIXL side-channel handshake requests P's listener refused and survived (undecodable, wrong "
+    "shape or tag, unknown rank, oversized, wrong frames): counts per request, by reason.", ("reason",), "P")
+
 LEASEKIT_METRICS: tuple[MetricSpec, ...] = (
     LEASES_ACTIVE, PINNED_BLOCKS, EXPIRING_SOON, GRANTS, EXTENSIONS, RELEASES, EXPIRIES, ABORTS,
     LATE_COMPLETIONS, HEARTBEATS_SENT, HEARTBEAT_SEND_FAILURES, HOLD, HEARTBEAT_GAP, RECLAIM_LAG,
-    DURATION, HEARTBEAT_INTERVAL, EXTENSION,
+    DURATION, HEARTBEAT_INTERVAL, EXTENSION, NOTIFICATIONS_DROPPED, MAX_HOLD,
+    HANDSHAKE_LISTENER_UP, HANDSHAKE_REQUESTS, HANDSHAKE_BAD_REQUESTS,
 )
 """Every metric LeaseKitConnector exports, in documentation order."""
 

@@ -45,6 +45,7 @@ EXTEND_COUNT = "leasekit.extend_count"
 EXTEND_EVENTS_DROPPED = "leasekit.extend_events_dropped"
 RETRIEVALS = "leasekit.retrievals"
 OUTCOME = "leasekit.outcome"
+EXPIRY_CAUSE = "leasekit.expiry_cause"  # no_heartbeat | heartbeat_lapsed | max_hold (expired leases)
 ABORT_REASON = "leasekit.abort_reason"
 RECLAIM_LAG_S = "leasekit.reclaim_lag_s"
 STEP_GAP_S = "leasekit.step_gap_s"

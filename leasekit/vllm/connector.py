@@ -2,17 +2,24 @@
 
 Wire-compatible with stock peers: it sends and accepts exactly what NixlConnector does (heartbeats
 ``b"HB:" + b",".join(ids)``, completions ``b"{req_id}:{n}"``) and leaves the compatibility hash alone.
-It only observes, through these hooks of vllm 0.32.0 (``.../kv_connector/v1/nixl/``):
+It observes through these hooks of vllm 0.32.0 (``.../kv_connector/v1/nixl/``):
 
 - grant: new keys of ``_reqs_to_send`` after ``start_load_kv`` (values: deadlines on the worker's
   ``perf_counter``, ``pull_worker.py``); blocks pinned come from the scheduler's ``request_finished``
   through the connector metadata;
-- extend: ``_handle_heartbeat`` (``base_worker.py``), attributed to the sending NIXL agent;
-- retrieval / release: completion notifications seen by ``_get_new_notifs`` (``pull_worker.py``);
 - expire: ids ``_reap_expired_send_leases`` adds to ``done_sending`` (``base_worker.py``);
 - abort: a lease that leaves ``_reqs_to_send`` any other way, or is open at worker shutdown;
 - D side: tracking (``on_new_request`` / ``_stop_heartbeat`` of the scheduler, handed to the worker in
   the connector metadata) and heartbeat notifications sent (``send_notif`` of the NIXL wrapper).
+
+and replaces one: P's notification handling (``_get_new_notifs``: extend, retrieval, release, late
+reads) is :class:`leasekit.vllm.notifs.PNotificationHandling`, which parses every notification with
+leasekit's codecs, drops and counts malformed, unknown, duplicate and foreign ones instead of raising
+in P's engine loop, binds each lease to the first D agent that touches it, and caps a lease's total
+life (``leasekit_max_hold_s``, default 480 s). The scheduler's side-channel handshake listener
+(``_nixl_handshake_listener``, ``base_scheduler.py``) is replaced as well: :mod:`leasekit.vllm.listener`
+refuses, counts and survives malformed handshake requests, and its liveness reaches ``/metrics``
+through the scheduler-role ``get_kv_connector_stats``.
 
 Each transition goes to the lease span, to the Prometheus metrics (through vLLM's connector-stats
 path, :mod:`leasekit.vllm.stats`, onto the server's own ``/metrics``) and to one structured log record
@@ -20,7 +27,9 @@ path, :mod:`leasekit.vllm.stats`, onto the server's own ``/metrics``) and to one
 carried a W3C ``traceparent`` (vLLM's ``Request.trace_headers``).
 
 Configuration (``kv_connector_extra_config``): ``kv_lease_duration`` (vLLM's own),
-``leasekit_run_dir`` (span directory; default env ``LEASEKIT_RUN_DIR``, else ``./leasekit-run``).
+``leasekit_run_dir`` (span directory; default env ``LEASEKIT_RUN_DIR``, else ``./leasekit-run``),
+``leasekit_max_hold_s`` (seconds, ``[L, 86400]``, default 480), ``leasekit_max_notification_bytes``
+(``[1024, 64 MiB]``, default 1 MiB); an out-of-range value stops the worker at start with the fix.
 Telemetry errors are logged (rate-limited) and never raised into the engine loop.
 """
 
@@ -54,6 +63,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (  # n
     NixlPullConnectorWorker,
 )
 from vllm.logger import init_logger  # noqa: E402
+from vllm.utils.network_utils import make_zmq_path  # noqa: E402
 
 from leasekit.lease.config import DEFAULT_LEASE_DURATION_S, LeaseTiming  # noqa: E402
 from leasekit.telemetry.decode_spans import HeartbeatSpanRecorder  # noqa: E402
@@ -61,7 +71,10 @@ from leasekit.telemetry.lease_log import LeaseLogObserver, RateLimitedWarning, l
 from leasekit.telemetry.lease_spans import LeaseSpanRecorder  # noqa: E402
 from leasekit.telemetry.provider import build_tracer_provider  # noqa: E402
 from leasekit.vllm.faultpoints import FaultPoints  # noqa: E402
+from leasekit.vllm.listener import ListenerHealth, serve_handshakes  # noqa: E402
+from leasekit.vllm.notifs import PNotificationHandling, notification_settings  # noqa: E402
 from leasekit.vllm.stats import LeaseKitKVConnectorStats, LeaseKitPromMetrics, LeaseStatsObserver  # noqa: E402
+from leasekit.vllm.stats import ListenerStatsReporter  # noqa: E402
 from leasekit.vllm.taps import HEARTBEAT_PREFIX as _HEARTBEAT_PREFIX  # noqa: E402
 from leasekit.vllm.taps import HeartbeatBatch, NotificationTap, TelemetryErrors  # noqa: E402
 
@@ -91,7 +104,9 @@ def _run_dir(kv_transfer_config: Any) -> str:
 
 class LeaseKitPullScheduler(NixlPullConnectorScheduler):
     """Scheduler side: stock behaviour; also hands the workers each new lease's KV block count and
-    trace headers (P), and the requests D starts and stops heartbeating (D)."""
+    trace headers (P), and the requests D starts and stops heartbeating (D); runs a side-channel
+    handshake listener that survives bad requests (:mod:`leasekit.vllm.listener`) and reports its
+    health (P)."""
 
     def __init__(self, vllm_config: "VllmConfig", engine_id: str, kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config, engine_id, kv_cache_config)
@@ -99,6 +114,36 @@ class LeaseKitPullScheduler(NixlPullConnectorScheduler):
         self._leasekit_trace: dict[str, dict[str, str]] = {}
         self._leasekit_tracked: list[list[Any]] = []
         self._leasekit_untracked: list[str] = []
+        self._lk_listener = ListenerHealth()
+        self._lk_listener_stats = ListenerStatsReporter()
+        self._lk_listener_report = bool(vllm_config.kv_transfer_config.is_kv_producer)
+        self._lk_listener_warning = RateLimitedWarning(logger)
+
+    # -- handshake listener (P) ------------------------------------------------------------
+    def _nixl_handshake_listener(self, encoded_data: dict, ready_event: Any, stop_event: Any, host: str,
+                                 port: int) -> None:
+        """Replaces vLLM's static ``_nixl_handshake_listener``: ``set_xfer_handshake_metadata`` starts
+        the thread with target ``self._nixl_handshake_listener`` and these positional args (vllm 0.32.0
+        ``nixl/base_scheduler.py``). Same ROUTER socket on vLLM's ``make_zmq_path`` and the same replies
+        for good requests; a bad one is refused, counted and survived
+        (:func:`leasekit.vllm.listener.serve_handshakes`). Returns only when ``stop_event`` is set
+        (``shutdown``)."""
+        serve_handshakes(encoded_data, ready_event, stop_event, make_zmq_path("tcp", host, port), self._lk_listener)
+
+    def listener_stats(self) -> LeaseKitKVConnectorStats | None:
+        """The listener's health as connector stats when it changed, else None; None as well on a
+        consumer-only engine (in pull mode no D handshakes with D) and before the listener starts.
+        Up means the thread is alive (seen from here) and its socket is bound and serving."""
+        try:
+            thread = getattr(self, "_nixl_handshake_listener_t", None)
+            if not self._lk_listener_report or thread is None:
+                return None
+            up, served, bad = self._lk_listener.snapshot()
+            return self._lk_listener_stats.report(up and thread.is_alive(), served, bad)
+        except Exception as exc:  # telemetry must never stop the engine loop
+            self._lk_listener_warning.warn("LeaseKit: handshake listener stats failed: %s: %s",
+                                           type(exc).__name__, exc, event="listener_stats_error")
+            return None
 
     def request_finished(self, request: "Request", block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         """Stock ``request_finished``; records ``sum(len(group))`` blocks for a delayed free (a lease)
@@ -140,8 +185,9 @@ class LeaseKitPullScheduler(NixlPullConnectorScheduler):
         return meta
 
 
-class LeaseKitPullWorker(NixlPullConnectorWorker):
-    """Worker side: stock NIXL pull worker that records every lease transition as span events."""
+class LeaseKitPullWorker(PNotificationHandling, NixlPullConnectorWorker):
+    """Worker side: stock NIXL pull worker that records every lease transition as span events, and
+    handles D's notifications robustly (:mod:`leasekit.vllm.notifs`)."""
 
     def __init__(self, vllm_config: "VllmConfig", engine_id: str, kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config, engine_id, kv_cache_config)
@@ -166,6 +212,8 @@ class LeaseKitPullWorker(NixlPullConnectorWorker):
         self._lk_stats = LeaseStatsObserver(self.xfer_stats, self.tp_rank)
         self._lk_stats.config(kv_role, timing)
         self._lk_timing = timing
+        max_hold_s, max_bytes = notification_settings(self.kv_transfer_config, timing.lease_duration_s)
+        self._lk_stats.max_hold(kv_role, max_hold_s)
         tracer = self._lk_provider.get_tracer("leasekit.vllm")
         self._lk = LeaseSpanRecorder(
             tracer,
@@ -175,6 +223,7 @@ class LeaseKitPullWorker(NixlPullConnectorWorker):
             kv_role=kv_role,
             observers=(self._lk_stats, LeaseLogObserver()),
         )
+        self._lk_init_notifications(max_hold_s, max_bytes)
         self._lk_hb = HeartbeatSpanRecorder(tracer, engine_id=engine_id, tp_rank=self.tp_rank, kv_role=kv_role)
         self._lk_hb_warning = RateLimitedWarning(lease_logger())
         self._lk_tap = NotificationTap(self.nixl_wrapper, self._lk_heartbeat_sent)
@@ -298,6 +347,7 @@ class LeaseKitPullWorker(NixlPullConnectorWorker):
                 for req_id in self._lk.open_ids():
                     if req_id not in self._reqs_to_send:
                         self._lk.abort(req_id, "left _reqs_to_send without release or expiry")
+            self._lk_sweep_bindings()
             if self._lk.active or self._lk_stats.active or self._lk_stats.pinned_blocks:
                 self._lk_stats.state(self._lk.expiring_within(self._lk_timing.heartbeat_interval_s, now))
             else:
@@ -306,39 +356,7 @@ class LeaseKitPullWorker(NixlPullConnectorWorker):
             self._lk_errors.report("step", exc)
         return results
 
-    # -- extend ----------------------------------------------------------------------------
-    def _handle_heartbeat(self, payload: str) -> None:
-        """Stock heartbeat handling, then an extend event for every named open lease."""
-        now = time.perf_counter()  # taken before vLLM's own clock read: never later than it
-        super()._handle_heartbeat(payload)
-        try:
-            if not self._lk.active:
-                return
-            agent = self._lk_tap.agent_of(_HEARTBEAT_PREFIX + payload.encode())
-            for req_id in payload.split(","):
-                deadline = self._reqs_to_send.get(req_id)
-                if deadline is not None:
-                    self._lk.extend(req_id, deadline, remote_agent=agent, now=now)
-        except Exception as exc:
-            self._lk_errors.report("extend", exc)
-
-    # -- retrieval / release ---------------------------------------------------------------
-    def _get_new_notifs(self) -> set[str]:
-        """Stock notification handling, then retrieval, release and late-read records."""
-        done = super()._get_new_notifs()
-        try:
-            for agent, msgs in self._lk_tap.last_batch.items():
-                for msg in msgs:
-                    if msg.startswith(_HEARTBEAT_PREFIX):
-                        continue
-                    req_id = msg.decode("utf-8", "replace").rsplit(":", 1)[0]
-                    if not self._lk.retrieval(req_id, remote_agent=agent):
-                        self._lk.late_read(req_id, remote_agent=agent)
-            for req_id in done:
-                self._lk.release(req_id)
-        except Exception as exc:
-            self._lk_errors.report("release", exc)
-        return done
+    # -- extend, retrieval, release: leasekit.vllm.notifs.PNotificationHandling._get_new_notifs ----------
 
     # -- expire ----------------------------------------------------------------------------
     def _reap_expired_send_leases(self, done_sending: set[str]) -> None:
@@ -351,7 +369,9 @@ class LeaseKitPullWorker(NixlPullConnectorWorker):
         try:
             for req_id in done_sending:
                 if req_id not in already:
-                    self._lk.expire(req_id, step_gap_s=self._lk_step_gap)
+                    cause = self._lk_expiry_cause(req_id)
+                    self._lk.expire(req_id, step_gap_s=self._lk_step_gap, cause=cause)
+                    self._lk_binding.forget(req_id)
         except Exception as exc:
             self._lk_errors.report("expire", exc)
 
@@ -385,6 +405,14 @@ class LeaseKitConnector(NixlPullConnector):
             self.connector_worker = LeaseKitPullWorker(vllm_config, self.engine_id, kv_cache_config)
         else:
             raise ValueError(f"Unsupported KVConnectorRole: {role}")
+
+    def get_kv_connector_stats(self) -> Any:
+        """Worker role: stock (the worker's NIXL and lease stats). Scheduler role: the handshake
+        listener's health when it changed (:meth:`LeaseKitPullScheduler.listener_stats`), else None;
+        vLLM's scheduler aggregates it with the workers' stats every step."""
+        if self.connector_scheduler is not None:
+            return self.connector_scheduler.listener_stats()
+        return super().get_kv_connector_stats()
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> LeaseKitKVConnectorStats:

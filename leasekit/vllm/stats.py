@@ -10,6 +10,8 @@ and the API server's ``PrometheusStatLogger`` passes the dict to the connector c
 - :class:`LeaseKitKVConnectorStats` is NIXL's stats container plus ``lk_*`` lists of lease
   observations (each entry starts with the worker's TP rank);
 - :class:`LeaseStatsObserver` appends to it on every :class:`~leasekit.telemetry.lease_events.LeaseEvent`;
+- :class:`ListenerStatsReporter` adds, from the scheduler (not a worker), the handshake listener's
+  health (``lk_listener``, :mod:`leasekit.vllm.listener`);
 - :class:`LeaseKitPromMetrics` registers vLLM's ``vllm:nixl_*`` metrics unchanged (it is a
   ``NixlPromMetrics``) plus every metric in :mod:`leasekit.telemetry.metrics`, and records both.
 
@@ -35,7 +37,10 @@ LATE = "lk_late"  # [rank, remote_agent]
 HEARTBEATS = "lk_heartbeats"  # [rank, remote_engine_id, ok (1|0)]
 STATE = "lk_state"  # [rank, active, pinned_blocks, expiring_soon]  latest wins
 CONFIG = "lk_config"  # [rank, kv_role, L, H, E]
-LEASE_KEYS = (GRANTS, EXTENSIONS, ENDS, LATE, HEARTBEATS, STATE, CONFIG)
+DROPS = "lk_drops"  # [rank, reason, count]  one entry per reason per step (a flood stays small)
+MAX_HOLD = "lk_max_hold"  # [rank, kv_role, max_hold_s]
+LISTENER = "lk_listener"  # [up (1|0), served_total, {reason: total}]  scheduler side, no rank; latest wins
+LEASE_KEYS = (GRANTS, EXTENSIONS, ENDS, LATE, HEARTBEATS, STATE, CONFIG, DROPS, MAX_HOLD, LISTENER)
 
 
 class LeaseKitKVConnectorStats(NixlKVConnectorStats):
@@ -101,6 +106,19 @@ class LeaseStatsObserver:
         """Record one heartbeat notification D sent (``ok``) or failed to send to ``remote_engine_id``."""
         self.stats.data[HEARTBEATS].append([self.tp_rank, str(remote_engine_id), 1 if ok else 0])
 
+    def dropped(self, reason: str) -> None:
+        """Record one notification P dropped (``reason``: one of ``metrics.NOTIFICATION_DROP_REASONS``)."""
+        entries = self.stats.data[DROPS]
+        for entry in entries:
+            if entry[1] == reason:
+                entry[2] += 1
+                return
+        entries.append([self.tp_rank, str(reason), 1])
+
+    def max_hold(self, kv_role: str, max_hold_s: float) -> None:
+        """Queue the configured max hold (seconds) for its gauge."""
+        self.stats.data[MAX_HOLD].append([self.tp_rank, kv_role, float(max_hold_s)])
+
     def state(self, expiring_soon: int) -> None:
         """Queue a gauge snapshot (active, pinned blocks, ``expiring_soon``) if it changed."""
         snapshot = (self.active, self.pinned_blocks, expiring_soon)
@@ -116,6 +134,31 @@ class LeaseStatsObserver:
         )
 
 
+class ListenerStatsReporter:
+    """Scheduler side (P's engine process): reports the NIXL handshake listener's health through
+    the same connector-stats path as the workers' lease lists.
+
+    vLLM's scheduler calls the SCHEDULER-role connector's ``get_kv_connector_stats()`` after every
+    engine step and aggregates a non-empty result with the workers' stats (vllm 0.32.0
+    ``v1/core/sched/scheduler.py: update_from_output``), so a report reaches ``/metrics`` at P's next
+    step; an idle P (no step) shows the last report.
+    """
+
+    def __init__(self) -> None:
+        self._last: tuple[int, int, dict[str, int]] | None = None
+
+    def report(self, up: bool, served: int, bad: dict[str, int]) -> LeaseKitKVConnectorStats | None:
+        """A stats container with one ``lk_listener`` entry ``[up 1|0, served, {reason: count}]``
+        (totals since the engine started) if any of them changed since the last report, else None."""
+        entry = (1 if up else 0, int(served), dict(bad))
+        if entry == self._last:
+            return None
+        self._last = entry
+        stats = LeaseKitKVConnectorStats()
+        stats.data[LISTENER].append([entry[0], entry[1], entry[2]])
+        return stats
+
+
 class LeaseKitPromMetrics(NixlPromMetrics):
     """vLLM's NIXL Prometheus metrics plus the lease metrics of :mod:`leasekit.telemetry.metrics`.
 
@@ -129,6 +172,7 @@ class LeaseKitPromMetrics(NixlPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         classes = {"counter": self._counter_cls, "gauge": self._gauge_cls, "histogram": self._histogram_cls}
         self._lk: dict[str, Any] = {}
+        self._lk_listener_last: dict[int, tuple[int, dict[str, int]]] = {}  # engine -> last totals
         for spec in m.LEASEKIT_METRICS:
             kwargs: dict[str, Any] = {
                 "name": spec.name,
@@ -153,9 +197,12 @@ class LeaseKitPromMetrics(NixlPromMetrics):
         for spec in m.LEASEKIT_METRICS:
             if spec.side not in sides or "kv_role" in spec.labels:
                 continue
+            if spec.labels[:1] != ("tp_rank",):  # not per rank (the scheduler's listener): zeroed by
+                continue                          # its own entry, see _listener
             extra: list[list[str]] = [[]]
             for label in spec.labels[1:]:  # tp_rank first
-                values = {"cause": m.EXPIRY_CAUSES, "outcome": m.HOLD_OUTCOMES}.get(label, (m.UNKNOWN_REMOTE,))
+                values = {"cause": m.EXPIRY_CAUSES, "outcome": m.HOLD_OUTCOMES,
+                          "reason": m.NOTIFICATION_DROP_REASONS}.get(label, (m.UNKNOWN_REMOTE,))
                 extra = [e + [v] for e in extra for v in values]
             for values in extra:
                 self._child(spec, engine_idx, rank, *values)
@@ -193,3 +240,29 @@ class LeaseKitPromMetrics(NixlPromMetrics):
             self._child(m.DURATION, engine_idx, role).set(lease_s)
             self._child(m.HEARTBEAT_INTERVAL, engine_idx, role).set(interval_s)
             self._child(m.EXTENSION, engine_idx, role).set(extension_s)
+        for rank, reason, count in d.get(DROPS, ()):
+            self._child(m.NOTIFICATIONS_DROPPED, engine_idx, rank, reason).inc(count)
+        for _rank, role, max_hold_s in d.get(MAX_HOLD, ()):
+            self._child(m.MAX_HOLD, engine_idx, role).set(max_hold_s)
+        for up, served, bad in d.get(LISTENER, ()):  # in order: the last one wins
+            self._listener(engine_idx, up, served, bad)
+
+    def _listener(self, engine_idx: int, up: int, served: int, bad: dict[str, int]) -> None:
+        """Record one handshake-listener report (totals since the engine started) of ``engine_idx``:
+        the gauge takes ``up``; counters grow by the increase since the previous report (the new
+        total when it went down: a restarted engine). The first report creates every series at 0."""
+        last_served, last_bad = self._lk_listener_last.get(engine_idx, (0, {}))
+        if engine_idx not in self._lk_listener_last:
+            self._child(m.HANDSHAKE_REQUESTS, engine_idx)
+            for reason in m.HANDSHAKE_BAD_REASONS:
+                self._child(m.HANDSHAKE_BAD_REQUESTS, engine_idx, reason)
+        self._child(m.HANDSHAKE_LISTENER_UP, engine_idx).set(1 if up else 0)
+        increase = served - last_served if served >= last_served else served
+        if increase:
+            self._child(m.HANDSHAKE_REQUESTS, engine_idx).inc(increase)
+        for reason, total in bad.items():
+            before = last_bad.get(reason, 0)
+            increase = total - before if total >= before else total
+            if increase and reason in m.HANDSHAKE_BAD_REASONS:  # a bounded label set, whatever arrives
+                self._child(m.HANDSHAKE_BAD_REQUESTS, engine_idx, reason).inc(increase)
+        self._lk_listener_last[engine_idx] = (served, dict(bad))

@@ -29,6 +29,8 @@ REQUIRED_SCHEDULER_METHODS: tuple[str, ...] = (
     "build_connector_meta",
     "on_new_request",
     "_stop_heartbeat",
+    "set_xfer_handshake_metadata",  # starts the listener thread with target self._nixl_handshake_listener
+    "_nixl_handshake_listener",
 )
 
 

@@ -266,7 +266,7 @@ def test_json_keys_are_stable_for_every_verdict(servers, capsys):
     assert list(report) == ["mode", "interval_s", "verdict", "servers"]
     keys = [list(s) for s in report["servers"]]
     assert keys[0] == keys[1] == keys[2] == [
-        "url", "verdict", "reasons", "error", "notes", "config", "gauges", "counters", "breakdown",
+        "url", "verdict", "reasons", "error", "notes", "config", "gauges", "counters", "breakdown", "listener",
         "elapsed_s", "rates_per_s", "counter_resets", "ranks"]
     assert list(report["servers"][0]["counters"]) == list(report["servers"][2]["counters"])
     assert [s["verdict"] for s in report["servers"]] == ["OK", "NO_LEASE_METRICS", "UNREACHABLE"]
@@ -309,3 +309,39 @@ def test_usage_errors_exit_2(argv):
     with pytest.raises(SystemExit) as info:
         run_cli(argv)
     assert info.value.code == 2
+
+
+def test_handshake_listener_down_is_critical_and_bad_requests_degraded(servers, capsys):
+    p = healthy_p(servers)
+    p.get(m.HANDSHAKE_LISTENER_UP).set(1)
+    p.get(m.HANDSHAKE_REQUESTS).inc(4)
+    for reason in m.HANDSHAKE_BAD_REASONS:
+        p.get(m.HANDSHAKE_BAD_REQUESTS, reason=reason)  # exported at 0, as the connector does
+    assert run_cli(["status", p.url, "-o", "json"]) == 0
+    (ok,) = json.loads(capsys.readouterr().out)["servers"]
+    assert ok["verdict"] == "OK" and ok["listener"] == {"up": 1, "down_engines": []}
+    assert ok["counters"]["handshake_requests"] == 4 and ok["counters"]["handshake_bad_requests"] == 0
+    assert ok["breakdown"]["handshake_bad_requests_by_reason"] == {}  # zero reasons left out
+
+    p.get(m.HANDSHAKE_BAD_REQUESTS, reason="unknown_rank").inc(2)
+    p.get(m.HANDSHAKE_BAD_REQUESTS, reason="bad_msgpack").inc()
+    assert run_cli(["status", p.url, "-o", "json"]) == 1
+    (degraded,) = json.loads(capsys.readouterr().out)["servers"]
+    assert degraded["verdict"] == "DEGRADED" and degraded["counters"]["handshake_bad_requests"] == 3
+    assert degraded["breakdown"]["handshake_bad_requests_by_reason"] == {"bad_msgpack": 1, "unknown_rank": 2}
+    assert any("3 malformed handshake request(s) refused since start (by reason: bad_msgpack=1, unknown_rank=2)"
+               in r for r in degraded["reasons"])
+
+    p.get(m.HANDSHAKE_LISTENER_UP).set(0)
+    assert run_cli(["status", p.url]) == 1
+    out = capsys.readouterr().out
+    assert "CRITICAL because:" in out and "NIXL handshake listener down (engine 0): no new D engine can connect" in out
+    assert "DOWN (engine 0)" in out and "bad handshake requests" in out and "unknown_rank=2" in out
+
+
+def test_listener_unknown_when_not_exported(servers, capsys):
+    d = servers()
+    d.config("kv_consumer", 6, 1, 4)
+    assert run_cli(["status", d.url, "-o", "json"]) == 0
+    (s,) = json.loads(capsys.readouterr().out)["servers"]
+    assert s["listener"] == {"up": None, "down_engines": []} and s["verdict"] == "OK"

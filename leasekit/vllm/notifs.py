@@ -1,0 +1,184 @@
+"""P's handling of D's NIXL notifications in LeaseKitConnector: parsed by leasekit's codecs, bound to
+the right peer, capped in total life, and never able to raise out of the engine loop.
+
+Replaces vllm 0.32.0 ``nixl/pull_worker.py: _get_new_notifs`` and ``nixl/base_worker.py:
+_handle_heartbeat`` for the P worker. Stock behaviour it keeps for every well-formed message from the
+right peer: a heartbeat sets ``deadline = max(deadline, now + E)``; a completion ``"<id>:<n>"`` for a
+request in ``_reqs_to_send``/``_reqs_to_process`` counts one consumer, and the blocks are freed when
+``n`` consumers reported. What it changes:
+
+- every message goes through :func:`leasekit.lease.codec.decode_notification` (size checked before
+  decoding; default ceiling 1 MiB, ``kv_connector_extra_config.leasekit_max_notification_bytes``);
+  non-UTF-8, no colon, bad count, oversized, empty or bad ids are dropped and counted by reason
+  (stock raises inside P's engine step: the engine dies and every other message of the batch is lost);
+- :class:`leasekit.lease.binding.LeaseBinding`: heartbeats and completions from an agent the lease is
+  not bound to are dropped (``foreign_*``), repeats from one agent are ``duplicate``;
+- a completion for a request P never held is ``unknown_id`` (stock counts it as a late read); one for a
+  lease that already ended is a late read (span, metric, rate-limited WARNING, vLLM's
+  ``notifications_after_expiry`` counter);
+- max hold: no heartbeat extends a lease past ``grant + max_hold_s`` (default 480 s,
+  ``leasekit_max_hold_s``); such a lease expires with cause ``max_hold``.
+
+Each drop is one ``leasekit_kv_lease_notifications_dropped_total{reason}`` increment and a WARNING at
+most every 10 s (with the suppressed count). An unexpected exception while handling one message drops
+that message (``internal_error``) and the rest of the batch is still handled.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from leasekit.lease.binding import DUPLICATE, FOREIGN, RELEASED, LeaseBinding
+from leasekit.lease.codec import DEFAULT_MAX_BYTES, Completion, DecodeError, Heartbeat, decode_notification
+from leasekit.telemetry import lease_events as ev
+from leasekit.telemetry.lease_log import RateLimitedWarning, lease_logger
+
+DEFAULT_MAX_HOLD_S = 480.0
+"""Default hard cap on one lease's total life, seconds (vLLM's old ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``)."""
+
+MAX_HOLD_EXTRA_KEY = "leasekit_max_hold_s"
+MAX_BYTES_EXTRA_KEY = "leasekit_max_notification_bytes"
+MAX_BYTES_LIMIT = 64 << 20
+
+
+class NotificationConfigError(ValueError):
+    """``leasekit_max_hold_s`` or ``leasekit_max_notification_bytes`` is out of range (message: field,
+    value, allowed range, fix)."""
+
+
+def notification_settings(extra_config: Any, lease_duration_s: float) -> tuple[float, int]:
+    """Read and check ``(max_hold_s, max_notification_bytes)`` from ``kv_connector_extra_config``.
+
+    Args:
+        extra_config: vLLM's ``KVTransferConfig`` (``get_from_extra_config``) or a plain mapping.
+        lease_duration_s: ``L`` in seconds; the cap must be at least ``L``.
+
+    Raises:
+        NotificationConfigError: max hold not a number in ``[L, 86400]`` seconds, or max bytes not an
+            integer in ``[1024, 64 MiB]``.
+    """
+    get = getattr(extra_config, "get_from_extra_config", None) or (lambda k, d: extra_config.get(k, d))
+    max_hold = get(MAX_HOLD_EXTRA_KEY, DEFAULT_MAX_HOLD_S)
+    max_bytes = get(MAX_BYTES_EXTRA_KEY, DEFAULT_MAX_BYTES)
+    if isinstance(max_hold, bool) or not isinstance(max_hold, (int, float)) or not lease_duration_s <= max_hold <= 86400:
+        raise NotificationConfigError(
+            f"kv_connector_extra_config.{MAX_HOLD_EXTRA_KEY}={max_hold!r}: must be seconds in "
+            f"[kv_lease_duration={lease_duration_s}, 86400]; fix: leave it unset (480) or raise it to >= "
+            f"kv_lease_duration"
+        )
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or not 1024 <= max_bytes <= MAX_BYTES_LIMIT:
+        raise NotificationConfigError(
+            f"kv_connector_extra_config.{MAX_BYTES_EXTRA_KEY}={max_bytes!r}: must be an integer number of "
+            f"bytes in [1024, {MAX_BYTES_LIMIT}]; fix: leave it unset ({DEFAULT_MAX_BYTES})"
+        )
+    return float(max_hold), max_bytes
+
+
+class PNotificationHandling:
+    """Mixin for LeaseKitConnector's NIXL worker (needs vLLM's ``_reqs_to_send``, ``_reqs_to_process``,
+    ``_lease_extension``, ``consumer_notification_counts_by_req``, ``xfer_stats``, ``nixl_wrapper`` and
+    LeaseKit's ``_lk`` span recorder and ``_lk_stats``). Call :meth:`_lk_init_notifications` in
+    ``__init__`` after those exist."""
+
+    def _lk_init_notifications(self, max_hold_s: float, max_bytes: int) -> None:
+        self._lk_binding = LeaseBinding()
+        self._lk_max_hold_s = max_hold_s
+        self._lk_max_bytes = max_bytes
+        self._lk_drop_warning = RateLimitedWarning(lease_logger())
+        self._lk_late_warning = RateLimitedWarning(lease_logger())
+
+    def _get_new_notifs(self) -> set[str]:
+        """Drain NIXL notifications (see module docstring); returns the request ids whose blocks every
+        consumer read (stock contract). Never raises for anything a peer sent."""
+        done: set[str] = set()
+        batch = self.nixl_wrapper.get_new_notifs()
+        now = time.perf_counter()  # before any handling: extensions are never later than stock's
+        for agent, messages in batch.items():
+            heartbeats_seen: set[bytes] = set()
+            for raw in messages:
+                try:
+                    self._lk_notification(str(agent), raw, now, done, heartbeats_seen)
+                except Exception as exc:  # a bug of ours must not take P's engine down
+                    self._lk_drop("internal_error", agent, f"{type(exc).__name__}: {exc}")
+        return done
+
+    def _lk_notification(self, agent: str, raw: Any, now: float, done: set[str], heartbeats_seen: set[bytes]) -> None:
+        message = decode_notification(raw, max_bytes=self._lk_max_bytes)
+        if isinstance(message, DecodeError):
+            self._lk_drop(message.reason, agent, message.detail)
+        elif isinstance(message, Heartbeat):
+            key = bytes(raw)
+            if key in heartbeats_seen:
+                self._lk_drop("duplicate", agent, "repeated heartbeat in one batch")
+                return
+            heartbeats_seen.add(key)
+            self._lk_heartbeat(agent, message.req_ids, now)
+        elif isinstance(message, Completion):
+            self._lk_completion(agent, message, now, done)
+
+    def _lk_heartbeat(self, agent: str, req_ids: tuple[str, ...], now: float) -> None:
+        extension = self._lease_extension
+        for req_id in req_ids:
+            old = self._reqs_to_send.get(req_id)
+            if old is None:
+                continue  # not granted yet, or already ended: D heartbeats until it reads (stock ignores)
+            if not self._lk_binding.heartbeat(req_id, agent):
+                self._lk_drop("foreign_heartbeat", agent, f"request {req_id} is bound to another agent")
+                continue
+            new = max(old, min(now + extension, self._lk_cap(req_id, old)))
+            self._reqs_to_send[req_id] = new
+            self._lk.extend(req_id, new, remote_agent=agent, now=now)
+
+    def _lk_cap(self, req_id: str, deadline: float) -> float:
+        grant = self._lk.grant_time(req_id)
+        return float("inf") if grant is None else max(deadline, grant + self._lk_max_hold_s)
+
+    def _lk_completion(self, agent: str, message: Completion, now: float, done: set[str]) -> None:
+        req_id = message.req_id
+        if req_id not in self._reqs_to_send and req_id not in self._reqs_to_process:
+            if self._lk.late_read(req_id, remote_agent=agent, now=now):
+                self.xfer_stats.record_notification_after_expiry()
+                self._lk_late_warning.warn(
+                    "LeaseKit: D agent %s finished reading KV blocks of request %s after P ended its lease; "
+                    "the blocks may have been freed or reused before the read", agent, req_id,
+                    event="late_read", request_id=req_id, remote_agent=agent,
+                )
+            else:
+                self._lk_drop("unknown_id", agent, f"completion for request {req_id} P never held")
+            return
+        result = self._lk_binding.completion(req_id, agent, message.expected_consumers)
+        if result == DUPLICATE:
+            self._lk_drop("duplicate", agent, f"second completion for request {req_id}")
+            return
+        if result == FOREIGN:
+            self._lk_drop("foreign_completion", agent, f"request {req_id} is bound to another agent")
+            return
+        self._lk.retrieval(req_id, remote_agent=agent, now=now)
+        self.consumer_notification_counts_by_req[req_id] += 1
+        if result == RELEASED:
+            done.add(req_id)
+            self.consumer_notification_counts_by_req.pop(req_id, None)
+            self.expected_consumer_notifications_by_req.pop(req_id, None)
+            self._reqs_to_process.discard(req_id)
+            self._reqs_to_send.pop(req_id, None)
+            self._lk.release(req_id, now=now)
+
+    def _lk_expiry_cause(self, req_id: str) -> str | None:
+        """``max_hold`` when ``req_id``'s deadline sits at its cap, else None (the recorder decides)."""
+        grant, deadline = self._lk.grant_time(req_id), self._lk.deadline(req_id)
+        if grant is None or deadline is None:
+            return None
+        return ev.CAUSE_MAX_HOLD if deadline >= grant + self._lk_max_hold_s - 1e-6 else None
+
+    def _lk_sweep_bindings(self) -> None:
+        """Forget bindings of leases that ended (called once per step; O(1) unless there is garbage)."""
+        if len(self._lk_binding) > len(self._reqs_to_send) + len(self._reqs_to_process):
+            self._lk_binding.retain(set(self._reqs_to_send) | set(self._reqs_to_process))
+
+    def _lk_drop(self, reason: str, agent: Any, detail: str) -> None:
+        self._lk_stats.dropped(reason)
+        self._lk_drop_warning.warn(
+            "LeaseKit: dropped a NIXL notification from agent %s (%s: %s)", agent, reason, detail[:200],
+            event="notification_dropped", reason=reason, remote_agent=str(agent),
+        )

@@ -1,0 +1,185 @@
+"""A second NIXL peer against a real LeaseKitConnector P (issue 6 points 4, 6, 7): the payloads that
+crash stock P, forged heartbeats and completions, the max-hold cap, and a notification fuzz over NIXL.
+P must keep serving throughout. One pair for the module (L = 6 s, max hold 12 s).
+
+The fuzz sends ``LEASEKIT_FUZZ_NOTIFICATIONS`` generated notifications (default 20000 in CI; the long
+budget is one command, see README "Fuzzing P's notification handling")."""
+
+import os
+import time
+from collections import Counter
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
+
+from leasekit.chaos.leases import read_leases
+from leasekit.chaos.peer import NixlPeer
+from leasekit.chaos.workload import QueuedDecodeLoad
+from leasekit.cluster.pair import PairSpec, PDPair
+from leasekit.lease.codec import DECODE_ERROR_REASONS, DecodeError, decode_notification
+from leasekit.telemetry import metrics as m
+
+pytestmark = pytest.mark.pair
+L, E, MAX_HOLD = 6, 4, 12
+DROPPED = m.NOTIFICATIONS_DROPPED.sample_names[0]
+FUZZ_TOTAL = int(os.environ.get("LEASEKIT_FUZZ_NOTIFICATIONS", "20000"))
+FUZZ_BATCH = 250
+
+
+@pytest.fixture(scope="module")
+def pair(vllm_available, tmp_path_factory):
+    spec = PairSpec.pinned(lease_duration_s=L, prefill_max_hold_s=MAX_HOLD)
+    with PDPair(spec, tmp_path_factory.mktemp("hostile") / "run") as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def peer(pair):
+    with NixlPeer() as p:
+        p.p_agent = p.handshake("127.0.0.1", pair.prefill.side_channel_port)
+        yield p
+
+
+def drops(pair) -> Counter:
+    text = httpx.get(f"{pair.prefill.url}/metrics", timeout=5).text
+    out: Counter = Counter()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == DROPPED:
+                out[sample.labels["reason"]] += sample.value
+    return out
+
+
+def wait_drops(pair, expected: Counter, timeout_s: float = 30.0) -> Counter:
+    """Poll P's /metrics until every expected reason reached its count (P ships stats per step)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = drops(pair)
+        if all(got[r] >= n for r, n in expected.items()) or time.monotonic() > deadline:
+            return got
+        pair.router.generate(pair.prompt(8), 1)  # make P step
+        time.sleep(0.3)
+
+
+def lease(pair, request_id: str, timeout_s: float = 30.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for timeline in read_leases(pair.span_dir)[0]:
+            if timeline.request_id == request_id:
+                return timeline
+        time.sleep(0.2)
+    raise AssertionError(f"lease {request_id} never ended within {timeout_s} s")
+
+
+def serves(pair) -> None:
+    result = pair.router.generate(pair.prompt(32), 4)
+    assert result.decode is not None and result.decode.ok, (result.prefill, result.decode)
+    assert len(result.decode.token_ids) == 4
+
+
+def test_payloads_that_crash_stock_p_are_counted_and_p_keeps_serving(pair, peer):
+    before = drops(pair)
+    live = pair.router.prefill(pair.prompt(32)).request_id
+    for payload in (b"\xff\xfe\x00", b"abc", f"{live}:x".encode()):
+        peer.send(peer.p_agent, payload)
+    serves(pair)
+    got = wait_drops(pair, before + Counter({"not_utf8": 1, "no_colon": 1, "bad_count": 1}))
+    assert got - before == Counter({"not_utf8": 1, "no_colon": 1, "bad_count": 1})
+    assert pair.prefill.alive()
+
+
+def test_forged_completion_from_a_second_peer_does_not_free_a_live_lease(pair, peer):
+    load = QueuedDecodeLoad(pair, requests=1)
+    load.start()
+    rid = load.request_ids[0]
+    time.sleep(2.5)  # D heartbeats (H = 1 s): the lease is bound to D's agent
+    peer.send(peer.p_agent, f"{rid}:1".encode())
+    time.sleep(1.0)
+    load.release_slot()
+    assert load.wait_decodes(120)
+    assert load.decodes[0].ok and len(load.decodes[0].token_ids) == load.decode_tokens
+    timeline = lease(pair, rid)
+    assert timeline.outcome == "released" and timeline.retrievals == 1
+    assert timeline.remote_agent != peer.name, "the forger must not own the lease"
+    assert timeline.end_s - timeline.grant_s > 3.0, "released by D's read, not by the forgery"
+    assert drops(pair)["foreign_completion"] >= 1
+
+
+def test_forged_heartbeats_from_a_second_peer_do_not_keep_a_lease_alive(pair, peer):
+    rid = pair.router.prefill(pair.prompt(32)).request_id  # nobody decodes it: only peers touch it
+    with NixlPeer() as owner:
+        agent = owner.handshake("127.0.0.1", pair.prefill.side_channel_port)
+        owner.send(agent, f"HB:{rid}".encode())  # binds the lease to `owner` (first contact wins:
+        time.sleep(1.0)  # a new agent's first notification waits for its UCX connection; let it land)
+        until = time.monotonic() + E + 4
+        while time.monotonic() < until:
+            peer.send(peer.p_agent, f"HB:{rid}".encode())
+            time.sleep(0.5)
+    serves(pair)
+    timeline = lease(pair, rid)
+    assert timeline.outcome == "expired"
+    assert timeline.heartbeat_count == 1, "only the bound agent's heartbeat extends"
+    assert timeline.remote_agent == owner.name
+    assert drops(pair)["foreign_heartbeat"] >= 2
+
+
+def test_max_hold_caps_a_lease_kept_alive_by_heartbeats(pair, peer):
+    rid = pair.router.prefill(pair.prompt(32)).request_id
+    with NixlPeer() as holder:
+        agent = holder.handshake("127.0.0.1", pair.prefill.side_channel_port)
+        until = time.monotonic() + MAX_HOLD + 4
+        while time.monotonic() < until:
+            holder.send(agent, f"HB:{rid}".encode())
+            time.sleep(0.5)
+    serves(pair)
+    timeline = lease(pair, rid)
+    assert timeline.outcome == "expired"
+    hold = timeline.end_s - timeline.grant_s
+    assert MAX_HOLD <= hold < MAX_HOLD + 2.0, f"held {hold:.2f} s; cap {MAX_HOLD} s"
+    assert timeline.deadline_s == pytest.approx(timeline.grant_s + MAX_HOLD, abs=1e-3)
+
+
+# -- fuzz --------------------------------------------------------------------------------------
+_ids = st.text(st.characters(codec="utf-8"), min_size=0, max_size=12)
+_notification = st.one_of(
+    st.binary(max_size=48),
+    st.builds(lambda ids: ("HB:" + ",".join(ids)).encode(), st.lists(_ids, max_size=4)),
+    st.builds(lambda i, n: f"{i}:{n}".encode(), _ids, st.one_of(st.integers(-3, 5), _ids)),
+    st.builds(lambda t: t.encode("utf-8", "surrogatepass"), st.text(max_size=24)),
+    st.sampled_from([b"", b":", b"HB:", b"HB:,", b"\xff", b"a:0", b"a:-1", b"a: 1", b"a:\xd9\xa3", b"HB:\x00"]),
+)
+_sent: Counter = Counter()
+_state: dict = {}
+
+
+@settings(max_examples=max(1, FUZZ_TOTAL // FUZZ_BATCH), deadline=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+@given(batch=st.lists(_notification, min_size=FUZZ_BATCH, max_size=FUZZ_BATCH))
+def test_fuzz_notifications_over_nixl(pair, peer, batch):
+    if "baseline" not in _state:
+        _state["baseline"] = drops(pair)
+    for message in batch:
+        peer.send(peer.p_agent, message)
+        decoded = decode_notification(message)
+        _sent["total"] += 1
+        if isinstance(decoded, DecodeError):
+            _sent[decoded.reason] += 1
+
+
+def test_after_the_fuzz_p_serves_and_counted_every_malformed_message(pair):
+    assert _sent["total"] >= FUZZ_TOTAL, f"only {_sent['total']} notifications were sent"
+    serves(pair)
+    malformed = Counter({r: n for r, n in _sent.items() if r != "total"})
+    baseline = _state["baseline"]
+    got = wait_drops(pair, baseline + malformed, timeout_s=60)
+    for reason in DECODE_ERROR_REASONS:  # P decodes with the same codec: every one counted, none lost
+        assert got[reason] - baseline[reason] == malformed[reason], (
+            f"{reason}: P counted {got[reason] - baseline[reason]}, the fuzzer sent {malformed[reason]}")
+    assert pair.prefill.alive()
+    log = pair.prefill.log_path.read_text()  # (vLLM logs a benign chat-template warm-up traceback)
+    for crash in ("EngineDeadError", "UnicodeDecodeError", "invalid literal for int()", "not enough values to unpack"):
+        assert crash not in log, crash
+    serves(pair)

@@ -1,0 +1,170 @@
+"""P's notification handling (leasekit.vllm.notifs) over a stand-in of vLLM's worker state: the
+three payloads that crash stock P, binding, duplicates, late reads and the max-hold cap."""
+
+import time
+from collections import defaultdict
+
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from leasekit.lease import LeaseTiming
+from leasekit.telemetry import semconv as sc
+from leasekit.telemetry.lease_spans import LeaseSpanRecorder
+from leasekit.vllm.notifs import NotificationConfigError, PNotificationHandling, notification_settings
+from leasekit.vllm.stats import DROPS, LeaseKitKVConnectorStats, LeaseStatsObserver
+
+L = 6
+TIMING = LeaseTiming.from_lease_duration(L)
+
+
+class Wrapper:
+    def __init__(self):
+        self.batches: list[dict] = []
+
+    def get_new_notifs(self):
+        return self.batches.pop(0) if self.batches else {}
+
+
+class Stats:
+    def __init__(self):
+        self.after_expiry = 0
+
+    def record_notification_after_expiry(self):
+        self.after_expiry += 1
+
+
+class Worker(PNotificationHandling):
+    """The vLLM worker attributes PNotificationHandling reads, nothing else."""
+
+    def __init__(self, max_hold_s=480.0, max_bytes=1 << 20):
+        self._reqs_to_send: dict[str, float] = {}
+        self._reqs_to_process: set[str] = set()
+        self._lease_extension = TIMING.extension_s
+        self.consumer_notification_counts_by_req = defaultdict(int)
+        self.expected_consumer_notifications_by_req = {}
+        self.xfer_stats = Stats()
+        self.nixl_wrapper = Wrapper()
+        self.exporter = InMemorySpanExporter()
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(self.exporter))
+        self._lk = LeaseSpanRecorder(provider.get_tracer("t"), engine_id="p", tp_rank=0, timing=TIMING)
+        self.stats = LeaseKitKVConnectorStats()
+        self._lk_stats = LeaseStatsObserver(self.stats, 0)
+        self._lk_init_notifications(max_hold_s, max_bytes)
+
+    def grant(self, req_id, now):
+        self._reqs_to_process.add(req_id)
+        self._reqs_to_send[req_id] = now + L
+        self._lk.grant(req_id, now + L, now=now)
+
+    def step(self, batch):
+        self.nixl_wrapper.batches.append(batch)
+        return self._get_new_notifs()
+
+    def drops(self):
+        return {reason: n for _, reason, n in self.stats.data.get(DROPS, [])}
+
+
+@pytest.mark.parametrize("payload,reason", [
+    (b"\xff\xfe\xfd", "not_utf8"),
+    (b"abc", "no_colon"),
+    (None, "bad_count"),  # "<live id>:<not a number>"
+])
+def test_payloads_that_crash_stock_p_are_dropped_and_the_batch_goes_on(payload, reason):
+    w = Worker()
+    w.grant("live", 0.0)
+    payload = payload or b"live:x"
+    done = w.step({"d0": [payload, b"live:1"]})
+    assert done == {"live"}, "the well-formed completion after the bad message must still be handled"
+    assert w.drops() == {reason: 1}
+    assert "live" not in w._reqs_to_send
+
+
+def test_oversized_notification_is_dropped_before_decoding():
+    w = Worker(max_bytes=1024)
+    w.grant("r", 0.0)
+    w.step({"d0": [b"HB:" + b"r," * 1000 + b"r"]})
+    assert w.drops() == {"oversized": 1}
+
+
+def test_heartbeat_binds_and_foreign_heartbeats_do_not_extend():
+    w = Worker()
+    w.grant("r", 0.0)
+    w.step({"d0": [b"HB:r"]})
+    deadline = w._reqs_to_send["r"]
+    assert deadline > L - 0.5  # extended from the grant's deadline to now + E (clock is perf_counter)
+    w._reqs_to_send["r"] = 1.0
+    w.step({"forger": [b"HB:r"]})
+    assert w._reqs_to_send["r"] == 1.0
+    assert w.drops() == {"foreign_heartbeat": 1}
+
+
+def test_forged_completion_is_dropped_and_the_real_one_releases():
+    w = Worker()
+    w.grant("r", 0.0)
+    w.step({"d0": [b"HB:r"]})
+    assert w.step({"forger": [b"r:1"]}) == set()
+    assert "r" in w._reqs_to_send
+    assert w.step({"d0": [b"r:1"]}) == {"r"}
+    assert w.drops() == {"foreign_completion": 1}
+    (span,) = w.exporter.get_finished_spans()
+    assert span.attributes[sc.OUTCOME] == "released" and span.attributes[sc.RETRIEVALS] == 1
+
+
+def test_duplicate_completion_does_not_free_a_two_consumer_lease_early():
+    w = Worker()
+    w.grant("r", 0.0)
+    assert w.step({"d0": [b"r:2", b"r:2"]}) == set()  # stock would free on the repeat
+    assert w.drops() == {"duplicate": 1}
+    assert w.step({"d1": [b"r:2"]}) == {"r"}
+
+
+def test_unknown_and_late_completions():
+    w = Worker()
+    w.grant("r", 0.0)
+    w.step({"d0": [b"r:1"]})
+    w.step({"d0": [b"r:1", b"never-held:1"]})
+    assert w.drops() == {"unknown_id": 1}
+    assert w.xfer_stats.after_expiry == 1  # the late read, counted as vLLM does
+    names = [s.name for s in w.exporter.get_finished_spans()]
+    assert sc.LATE_READ_SPAN_NAME in names
+
+
+def test_heartbeats_never_extend_past_max_hold():
+    w = Worker(max_hold_s=10.0)
+    w.grant("r", time.perf_counter() - 9.0)  # granted 9 s ago: cap = grant + 10, now + E = grant + 13
+    w.grant("young", time.perf_counter())
+    grant = w._lk.grant_time("r")
+    w.step({"d0": [b"HB:r,young"]})
+    assert w._reqs_to_send["r"] == pytest.approx(grant + 10.0)
+    assert w._lk_expiry_cause("r") == "max_hold"
+    assert w._reqs_to_send["young"] < w._lk.grant_time("young") + 10.0
+    assert w._lk_expiry_cause("young") is None
+
+
+def test_internal_error_drops_one_message_not_the_engine(monkeypatch):
+    w = Worker()
+    w.grant("r", 0.0)
+    w.grant("s", 0.0)
+    real = w._lk_completion
+    calls = []
+
+    def flaky(agent, message, now, done):
+        calls.append(message.req_id)
+        if message.req_id == "r":
+            raise RuntimeError("bug")
+        real(agent, message, now, done)
+
+    monkeypatch.setattr(w, "_lk_completion", flaky)
+    assert w.step({"d0": [b"r:1", b"s:1"]}) == {"s"}
+    assert w.drops() == {"internal_error": 1}
+
+
+def test_settings_refuse_bad_values_with_the_field_and_range():
+    assert notification_settings({}, 6) == (480.0, 1 << 20)
+    with pytest.raises(NotificationConfigError, match=r"leasekit_max_hold_s=3.*\[kv_lease_duration=6"):
+        notification_settings({"leasekit_max_hold_s": 3}, 6)
+    with pytest.raises(NotificationConfigError, match=r"leasekit_max_notification_bytes='big'"):
+        notification_settings({"leasekit_max_notification_bytes": "big"}, 6)
