@@ -290,35 +290,65 @@ def check_all_served(decodes: Mapping[int, DecodeResult], expected: Iterable[int
     return CheckResult("all-served", verdict, summary, details={"expected": len(expected), "missing": missing, "failed": failed})
 
 
-def check_fail_closed(leases: Iterable[LeaseTimeline], served: Mapping[str, float], late_reads: Mapping[str, float]) -> CheckResult:
+def check_fail_closed(leases: Iterable[LeaseTimeline], served: Mapping[str, float], late_reads: Mapping[str, float],
+                      discarded: Mapping[str, str] | None = None,
+                      recompute_matches: Mapping[str, bool | None] | None = None) -> CheckResult:
     """Invariant 5: no tokens from an expired lease.
 
     ``served``: request id -> when D's HTTP 200 answer arrived, converted to P's evidence clock.
-    A request served after its lease expired read blocks P had already freed: FAIL, whether or not
-    P noticed the late read (``late_reads``: request id -> when P saw it). A late read that D did
-    not serve (error or recompute) is the fail-closed outcome.
+    ``late_reads``: request id -> when P saw a read completion after the lease had ended.
+    ``discarded``: request id -> the outcome (``reaped`` | ``timeout``) with which LeaseKit D's read gate
+    discarded its read (D's ``kv_lease_read`` spans; docs/fail-closed.md), so vLLM recomputed or failed it.
+    ``recompute_matches``: request id -> whether the tokens D served equal a fresh routed run of the
+    same prompt (None: the comparison could not be made).
+
+    A request served after its lease expired FAILs unless D discarded its read and the tokens it served
+    equal the fresh run's (then it was recomputed: PASS); discarded but not compared is UNKNOWN. A late
+    read that D did not serve (error) is the fail-closed outcome too.
     """
+    discarded = discarded or {}
+    recompute_matches = recompute_matches or {}
     rows = []
     for lease in leases:
         if lease.outcome != sc.OUTCOME_EXPIRED:
             continue
-        answered = served.get(lease.request_id)
-        seen = late_reads.get(lease.request_id)
+        rid = lease.request_id
+        answered = served.get(rid)
+        seen = late_reads.get(rid)
         detected = "P saw the late read" if seen is not None else "P never saw it"
         if answered is not None and answered > lease.end_s:
-            rows.append(LeaseVerdict(lease.request_id, FAIL,
-                                     f"HTTP 200 {answered - lease.end_s:.3f} s after its lease expired ({detected})",
-                                     None, answered - lease.grant_s, lease))
-        elif seen is not None:
-            rows.append(LeaseVerdict(lease.request_id, PASS, "late read detected and not served", None, seen - lease.grant_s, lease))
+            late = f"HTTP 200 {answered - lease.end_s:.3f} s after its lease expired"
+            how = discarded.get(rid)
+            match = recompute_matches.get(rid)
+            if how is None:
+                rows.append(LeaseVerdict(rid, FAIL, f"{late} from the read ({detected}; D did not discard it)",
+                                         None, answered - lease.grant_s, lease))
+            elif match is True:
+                rows.append(LeaseVerdict(rid, PASS, f"{late}: D discarded the read ({how}) and recomputed; "
+                                         "tokens equal a fresh run", None, answered - lease.grant_s, lease))
+            elif match is False:
+                rows.append(LeaseVerdict(rid, FAIL, f"{late}: D discarded the read ({how}) but its tokens differ "
+                                         "from a fresh run", None, answered - lease.grant_s, lease))
+            else:
+                rows.append(LeaseVerdict(rid, UNKNOWN, f"{late}: D discarded the read ({how}); tokens not compared",
+                                         None, answered - lease.grant_s, lease))
+        elif seen is not None or rid in discarded:
+            how = f"D discarded it ({discarded[rid]})" if rid in discarded else "P saw it"
+            rows.append(LeaseVerdict(rid, PASS, f"late read detected ({how}) and not served", None,
+                                     (seen if seen is not None else lease.end_s) - lease.grant_s, lease))
     failed = [r for r in rows if r.verdict == FAIL]
+    unknown = [r for r in rows if r.verdict == UNKNOWN]
     if failed:
         verdict, summary = FAIL, f"{len(failed)} request(s) served tokens from an expired lease"
+    elif unknown:
+        verdict, summary = UNKNOWN, f"{len(unknown)} discarded read(s) served without an output comparison"
     elif rows:
-        verdict, summary = PASS, f"{len(rows)} late read(s), none served"
+        recomputed = sum(1 for r in rows if "recomputed" in r.reason)
+        verdict, summary = PASS, f"{len(rows)} late read(s), none served from freed blocks ({recomputed} recomputed)"
     else:
         verdict, summary = UNKNOWN, "no read of an expired lease happened: fail-closed not exercised"
-    return CheckResult("fail-closed", verdict, summary, rows, {"late_reads_seen_by_p": len(late_reads)})
+    return CheckResult("fail-closed", verdict, summary, rows,
+                       {"late_reads_seen_by_p": len(late_reads), "reads_discarded_by_d": len(discarded)})
 
 
 def check_conservation(kv_usage_after: float | None, open_leases: Iterable[str], *, waited_s: float) -> CheckResult:

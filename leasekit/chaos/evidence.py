@@ -37,6 +37,8 @@ class Evidence:
         leases: ended leases of the workload's requests.
         open_ids: workload requests with no ended lease.
         late_reads: request id -> when P saw a read completion after the lease had ended.
+        discarded_reads: request id (P's) -> ``reaped`` | ``timeout``: reads LeaseKit D's read gate
+            discarded (D's ``kv_lease_read`` spans; empty for the stock target).
         unparsable: span or log lines that could not be parsed.
     """
 
@@ -45,6 +47,7 @@ class Evidence:
     leases: list[LeaseTimeline] = field(default_factory=list)
     open_ids: list[str] = field(default_factory=list)
     late_reads: dict[str, float] = field(default_factory=dict)
+    discarded_reads: dict[str, str] = field(default_factory=dict)
     unparsable: int = 0
 
 
@@ -64,12 +67,17 @@ class EvidenceReader:
         if self.target == "leasekit":
             result = read_span_dir(self.pair.span_dir)
             leases = [l for l in lease_timelines(result.spans) if l.request_id in wanted]
-            late = {}
+            late, discarded = {}, {}
             for span in result.spans:
                 rid = span.attributes.get(sc.REQUEST_ID)
-                if span.name == sc.LATE_READ_SPAN_NAME and rid in wanted:
+                if rid not in wanted:
+                    continue
+                if span.name == sc.LATE_READ_SPAN_NAME:
                     late.setdefault(rid, float(span.attributes[sc.EV_MONOTONIC_S]))
-            evidence = Evidence("spans", "monotonic", leases, late_reads=late, unparsable=result.bad_lines)
+                elif span.name == sc.READ_SPAN_NAME and span.attributes.get(sc.READ_OUTCOME) in sc.READ_DISCARDED_OUTCOMES:
+                    discarded[rid] = str(span.attributes[sc.READ_OUTCOME])
+            evidence = Evidence("spans", "monotonic", leases, late_reads=late, discarded_reads=discarded,
+                                unparsable=result.bad_lines)
         else:
             text = self.pair.prefill.log_path.read_text(errors="replace") if self.pair.prefill.log_path.exists() else ""
             parsed = parse_stock_lease_log(text, lease_duration_s=self.timing.lease_duration_s, extension_s=self.timing.extension_s)

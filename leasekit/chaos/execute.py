@@ -203,6 +203,7 @@ class ScenarioExecution:
         results = []
         for _ in range(self.s.workload.requests):
             prompt = self.pair.prompt(self.s.workload.prompt_tokens)
+            load.prompts.append(prompt)
             results.append(router.generate(prompt, self.s.workload.decode_tokens))
         load.prefills = [r.prefill for r in results]
         load.decodes = {i: r.decode for i, r in enumerate(results) if r.decode is not None}
@@ -253,7 +254,8 @@ class ScenarioExecution:
                     for index, result in load.decodes.items():
                         if result.ok:
                             served[load.request_id(index)] = self.reader.to_p_clock(result.done_monotonic_s, result.done_wall_s)
-                    checks.append(check_fail_closed(evidence.leases, served, evidence.late_reads))
+                    checks.append(check_fail_closed(evidence.leases, served, evidence.late_reads, evidence.discarded_reads,
+                                                    self._recompute_matches(evidence.discarded_reads)))
                 except ClockMismatch as exc:
                     checks.append(CheckResult("fail-closed", UNKNOWN, str(exc)))
             elif name == "conservation":
@@ -269,6 +271,22 @@ class ScenarioExecution:
                            for i, d in load.decodes.items()}
                 checks.append(check_liveness(unanswered, healthy, fresh, answers))
         return checks
+
+    def _recompute_matches(self, discarded: dict[str, str]) -> dict[str, bool | None]:
+        """For each served request whose read D discarded: do its tokens equal a fresh routed run of
+        the same prompt (None when either run has no tokens)?"""
+        load, router = self.load, self.pair.router
+        matches: dict[str, bool | None] = {}
+        if load is None or router is None:
+            return matches
+        for index, result in sorted(load.decodes.items()):
+            rid = load.request_id(index)
+            if rid not in discarded or not result.ok or index >= len(load.prompts):
+                continue
+            fresh = router.generate(load.prompts[index], self.s.workload.decode_tokens).decode
+            ok = bool(fresh and fresh.ok and fresh.token_ids and result.token_ids)
+            matches[rid] = (fresh.token_ids == result.token_ids) if ok else None
+        return matches
 
     _settle_s = 0.0
 

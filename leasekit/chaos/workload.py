@@ -28,8 +28,8 @@ class QueuedDecodeLoad:
     """Route ``requests`` requests to D, queued behind a held slot (``queued``/``abort_storm``) or
     behind each other (``overload``).
 
-    Filled as it runs (times ``time.monotonic()`` seconds of this process): ``prefills`` (one per
-    request, in order), ``decodes`` (index -> result), ``queued_at``, ``intent`` (index ->
+    Filled as it runs (times ``time.monotonic()`` seconds of this process): ``prefills`` and
+    ``prompts`` (token ids; one per request, in order), ``decodes`` (index -> result), ``queued_at``, ``intent`` (index ->
     ``decode`` | ``cancel`` | ``never``: what the workload meant to happen to each request).
     """
 
@@ -42,6 +42,7 @@ class QueuedDecodeLoad:
     never_decode_fraction: float = 0.0
     cancel_after_s: float = 3.0
     prefills: list[PrefillResult] = field(default_factory=list)
+    prompts: list[list[int]] = field(default_factory=list)
     decodes: dict[int, DecodeResult] = field(default_factory=dict)
     intent: dict[int, str] = field(default_factory=dict)
     queued_at: float | None = None
@@ -94,6 +95,7 @@ class QueuedDecodeLoad:
             prompt = self.pair.prompt(self.prompt_tokens)
             prefill = router.prefill(prompt)
             self.prefills.append(prefill)
+            self.prompts.append(prompt)
             if not prefill.ok:
                 raise WorkloadError(f"prefill {index} failed on P: HTTP {prefill.status} {prefill.error}")
             if self.intent[index] == "never":

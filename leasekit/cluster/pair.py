@@ -64,7 +64,10 @@ class PairSpec:
     logging (the evidence for stock connectors, which write no spans), and vLLM's own request tracing
     (``--otlp-traces-endpoint``, OTLP over HTTP/protobuf; vLLM keeps an incoming ``traceparent`` only
     when tracing is on, ``vllm/v1/engine/async_llm.py``), and LeaseKit P's max hold in seconds
-    (``leasekit_max_hold_s``; None keeps the connector's default)."""
+    (``leasekit_max_hold_s``; None keeps the connector's default), and D's ``kv_load_failure_policy``
+    (``recompute`` by default here: a read LeaseKit D discards is recomputed; ``fail`` ends the request
+    with an error; vLLM's own default is ``fail``), and P's KV cache in bytes (None: the server default,
+    64 MiB; a small one makes freed blocks reused soon)."""
 
     prefill_connector: str = "leasekit"
     decode_connector: str = "leasekit"
@@ -84,6 +87,8 @@ class PairSpec:
     warm_up: bool = True
     otlp_traces_endpoint: str | None = None
     prefill_max_hold_s: float | None = None
+    decode_kv_load_failure_policy: str | None = "recompute"
+    prefill_kv_cache_bytes: int | None = None
 
     def launch_key(self) -> tuple:
         """Everything that needs a fresh pair when it changes."""
@@ -184,6 +189,9 @@ class PDPair:
                     {"leasekit_max_hold_s": self.spec.prefill_max_hold_s}
                     if role == "prefill" and self.spec.prefill_max_hold_s is not None else {}
                 ),
+                kv_load_failure_policy=self.spec.decode_kv_load_failure_policy if role == "decode" else None,
+                **({"kv_cache_bytes": self.spec.prefill_kv_cache_bytes}
+                   if role == "prefill" and self.spec.prefill_kv_cache_bytes else {}),
             ),
             self.run_dir,
         )

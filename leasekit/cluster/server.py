@@ -58,6 +58,8 @@ class ServerSpec:
             namespace binds 0.0.0.0 and is reached on its veth address).
         connector_extra: extra ``kv_connector_extra_config`` entries for LeaseKitConnector (e.g.
             ``{"leasekit_max_hold_s": 10}``); ignored for the stock connector.
+        kv_load_failure_policy: vLLM's ``kv_load_failure_policy`` (``recompute`` or ``fail``; None keeps
+            vLLM's default, ``fail``): what D does with a read that failed or that LeaseKit discarded.
     """
 
     name: str
@@ -77,12 +79,15 @@ class ServerSpec:
     bind_host: str = "127.0.0.1"
     url_host: str = "127.0.0.1"
     connector_extra: dict[str, object] = field(default_factory=dict)
+    kv_load_failure_policy: str | None = None
 
     def __post_init__(self) -> None:
         if self.role not in KV_ROLES:
             raise ValueError(f"role must be one of {sorted(KV_ROLES)}, got {self.role!r}")
         if self.connector not in ("leasekit", "stock"):
             raise ValueError(f"connector must be 'leasekit' or 'stock', got {self.connector!r}")
+        if self.kv_load_failure_policy not in (None, "recompute", "fail"):
+            raise ValueError(f"kv_load_failure_policy must be 'recompute', 'fail' or None, got {self.kv_load_failure_policy!r}")
 
     def kv_transfer_config(self, run_dir: Path) -> dict:
         """The ``--kv-transfer-config`` JSON object for this server."""
@@ -91,6 +96,8 @@ class ServerSpec:
             "kv_role": KV_ROLES[self.role],
             "kv_connector_extra_config": {"kv_lease_duration": self.lease_duration_s},
         }
+        if self.kv_load_failure_policy is not None:
+            config["kv_load_failure_policy"] = self.kv_load_failure_policy
         if self.connector == "leasekit":
             config["kv_connector_module_path"] = CONNECTOR_MODULE_PATH
             config["kv_connector_extra_config"]["leasekit_run_dir"] = str(run_dir)

@@ -81,6 +81,15 @@ def _lifecycle() -> list[Builder]:
                    [Query(quantile(q, _bucket(m.HOLD), I + ", outcome", W, F), f"{{{{instance}}}} {{{{outcome}}}} p{p}")
                     for q, p in ((0.5, 50), (0.99, 99))]
                    + [Query(config_gauge(m.MAX_HOLD.name, I, F), "{{instance}} max hold (cap)")], "s", width=12),
+        timeseries("Reads by gate outcome (D)", m.READS.help + " reaped/timeout: a late read caught and discarded "
+                   "(fail closed); unprotected: the P is stock, reads are not checked. Verdicts P failed to send: "
+                   + m.VERDICT_SEND_FAILURES.help,
+                   [Query(sum_rate(_c(m.READS), I + ", outcome", W, F), "{{instance}} {{outcome}}"),
+                    Query(sum_rate(_c(m.VERDICT_SEND_FAILURES), I, W, F), "{{instance}} verdict send failures (P)")],
+                   "ops", width=12, stacked=True),
+        timeseries("Read verdict wait p50 / p99 (D)", m.READ_VERDICT_WAIT.help,
+                   [Query(quantile(q, _bucket(m.READ_VERDICT_WAIT), I, W, F), f"{{{{instance}}}} p{p}")
+                    for q, p in ((0.5, 50), (0.99, 99))], "s", width=12),
     ]
 
 

@@ -38,6 +38,7 @@ above ``E`` expires the lease (DESIGN.md: ``expiry = max(expiry, now + E)``)."""
 ALERT_NAMES = (
     "LeaseExpiries", "LeaseExpiriesWhileDecodeHealthy", "LeaseLateCompletions", "LeaseReclaimLagOverBound",
     "LeasePinnedBlocksHigh", "LeaseHeartbeatGapNearExtension", "LeaseHeartbeatSendFailures",
+    "LeaseReadsDiscarded",
 )
 """Every alert of the rule file, in file order (the runbook has one section per name)."""
 
@@ -50,6 +51,7 @@ EXPIRIES_BY_REMOTE = "instance_remote_agent:leasekit_kv_lease_expiries:increase1
 EXTENSIONS_BY_REMOTE = "instance_remote_agent:leasekit_kv_lease_extensions:rate2m"
 LATE_BY_REMOTE = "instance_remote_agent:leasekit_kv_lease_late_completions:increase5m"
 SEND_FAILURES_BY_REMOTE = "instance_remote_engine:leasekit_kv_lease_heartbeat_send_failures:increase5m"
+DISCARDED_BY_OUTCOME = "instance_outcome:leasekit_kv_lease_reads_discarded:increase5m"
 GAP_P50 = "instance:leasekit_kv_lease_heartbeat_gap_seconds:p50_5m"
 GAP_P99 = "instance:leasekit_kv_lease_heartbeat_gap_seconds:p99_5m"
 LAG_P99 = "instance:leasekit_kv_lease_reclaim_lag_seconds:p99_5m"
@@ -96,6 +98,8 @@ def recording_rules() -> list[dict[str, str]]:
         (EXTENSIONS_BY_REMOTE, sum_rate(c(m.EXTENSIONS), IA, "2m")),
         (LATE_BY_REMOTE, sum_new_or_increased(c(m.LATE_COMPLETIONS), IA, "5m")),
         (SEND_FAILURES_BY_REMOTE, sum_new_or_increased(c(m.HEARTBEAT_SEND_FAILURES), IE, "5m")),
+        (DISCARDED_BY_OUTCOME, sum_new_or_increased(c(m.READS), f"{I}, outcome", "5m",
+                                                    'outcome=~"reaped|timeout"')),
         (GAP_P50, quantile(0.5, m.HEARTBEAT_GAP.name + "_bucket", I, "5m")),
         (GAP_P99, quantile(0.99, m.HEARTBEAT_GAP.name + "_bucket", I, "5m")),
         (LAG_P99, quantile(0.99, m.RECLAIM_LAG.name + "_bucket", I, "5m")),
@@ -160,6 +164,12 @@ def alerting_rules(config: RulesConfig) -> list[dict[str, object]]:
                f"D server {inst} has failed to send heartbeat notifications to P engine {engine} for 5 minutes "
                "(NIXL send_notif raised). One lost heartbeat is within the loss budget; repeated losses expire "
                "leases of requests D still holds."),
+        _alert(config, "LeaseReadsDiscarded", f"{DISCARDED_BY_OUTCOME} > 0", "0m", "warning",
+               f"D server {inst} discarded late KV reads ({{{{ $labels.outcome }}}})",
+               f"D server {inst} discarded {{{{ $value }}}} read(s) of P's KV blocks in the last 5 minutes with "
+               "outcome {{ $labels.outcome }} (reaped: P had already ended the lease; timeout: no verdict from P "
+               "in time). No wrong tokens were served: vLLM's kv_load_failure_policy recomputed or failed those "
+               "requests. Leases are expiring under D's queued or stalled requests (docs/fail-closed.md)."),
     ]
 
 

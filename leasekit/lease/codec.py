@@ -13,10 +13,18 @@ non-UTF-8 bytes, a message with no ``:`` and a non-integer count each raise insi
 step. :func:`decode_notification` keeps vLLM's semantics for every well-formed message
 (``startswith("HB:")`` first, then ``rsplit(":", 1)``) and returns a :class:`DecodeError` for
 everything else: it never raises.
+
+LeaseKit peers speak a small protocol on top (``LK1:``; docs/fail-closed.md), used only between peers
+that discovered each other: P marks the ``kv_transfer_params`` it returns with
+``"leasekit_protocol": 1``; a LeaseKit D that sees the marker sends P ``LK1:HELLO:<base64 NIXL partial
+agent metadata>`` (connection info only, so that P can notify it back) and then waits, per read, for P's
+``LK1:V:ok:<id>`` or ``LK1:V:reaped:<id>``. A stock peer never receives an ``LK1:`` message.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -41,6 +49,7 @@ REASON_BAD_COUNT = "bad_count"
 REASON_EMPTY_ID = "empty_id"
 REASON_BAD_ID = "bad_id"
 REASON_NOT_BYTES = "not_bytes"
+REASON_BAD_PROTOCOL = "bad_protocol"
 DECODE_ERROR_REASONS = (
     REASON_OVERSIZED,
     REASON_NOT_UTF8,
@@ -50,8 +59,26 @@ DECODE_ERROR_REASONS = (
     REASON_EMPTY_ID,
     REASON_BAD_ID,
     REASON_NOT_BYTES,
+    REASON_BAD_PROTOCOL,
 )
 """Every :attr:`DecodeError.reason`; a closed set, fit for a metric label."""
+
+PROTOCOL_PREFIX = "LK1:"
+"""Prefix of LeaseKit protocol notifications (version 1). A vLLM request id never starts with it in
+practice (vLLM's ids are ``cmpl-``/``chatcmpl-`` plus random hex); one that did would be read as a
+protocol message and dropped as ``bad_protocol``."""
+PROTOCOL_PARAM = "leasekit_protocol"
+"""Key LeaseKit P adds to the ``kv_transfer_params`` it returns (value :data:`PROTOCOL_VERSION`); stock D
+ignores unknown keys (vllm 0.32.0 ``nixl/pull_scheduler.py`` reads with ``params.get``)."""
+PROTOCOL_VERSION = 1
+HELLO_PREFIX = PROTOCOL_PREFIX + "HELLO:"
+VERDICT_PREFIX = PROTOCOL_PREFIX + "V:"
+ACK_PREFIX = PROTOCOL_PREFIX + "A:"
+SEQUENCE_TOKEN_PREFIX = "LK1~"
+"""A LeaseKit D appends ``LK1~<n>`` as one more id to each heartbeat it sends a LeaseKit P (stock P ignores
+ids it does not hold, vllm 0.32.0 ``base_worker.py`` ``_handle_heartbeat``); P echoes ``n`` in its ack."""
+VERDICT_OK = "ok"
+VERDICT_REAPED = "reaped"
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")  # Unicode category Cc (C0, DEL, C1)
 _DIGITS = re.compile(r"[0-9]{1,16}")  # ASCII only: int() would also take " 3", "+3", "3_0", "٣"
@@ -91,7 +118,101 @@ class DecodeError:
     detail: str
 
 
-Notification = Heartbeat | Completion | DecodeError
+@dataclass(frozen=True)
+class Hello:
+    """``LK1:HELLO:<base64>``: a LeaseKit D worker's NIXL partial agent metadata (connection info only),
+    so that P can add the agent and send it verdicts. ``agent_metadata``: the decoded bytes."""
+
+    agent_metadata: bytes
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """``LK1:V:ok|reaped:<id>``: P's answer to one read completion of ``req_id`` (P's request id).
+
+    ``ok`` is True when the lease was still live when P handled the completion: P frees blocks only in
+    the engine loop that handles notifications, so the blocks were P's KV for the whole read."""
+
+    req_id: str
+    ok: bool
+
+
+@dataclass(frozen=True)
+class Ack:
+    """``LK1:A:<seq>:<remaining_ms>:<id>,<id>...``: P handled D's heartbeat number ``seq`` (the
+    ``LK1~<seq>`` token D added to it) and every listed lease (P's request ids; possibly none) was live
+    with at least ``remaining_s`` seconds to its deadline, counted from before P read the heartbeat.
+    D, which began sending that heartbeat at ``s`` on its own clock, then knows each lease is held until
+    at least ``s + remaining_s`` (no cross-host clock comparison)."""
+
+    seq: int
+    remaining_s: float
+    req_ids: tuple[str, ...]
+
+
+Notification = Heartbeat | Completion | Hello | Verdict | Ack | DecodeError
+
+
+def encode_hello(agent_metadata: bytes) -> bytes:
+    """``LK1:HELLO:`` + base64 of ``agent_metadata`` (NIXL ``get_partial_agent_metadata`` bytes)."""
+    return HELLO_PREFIX.encode() + base64.b64encode(bytes(agent_metadata))
+
+
+def encode_verdict(req_id: str, ok: bool) -> bytes:
+    """``LK1:V:ok:<req_id>`` or ``LK1:V:reaped:<req_id>`` (the id last: it may hold ``:``)."""
+    return f"{VERDICT_PREFIX}{VERDICT_OK if ok else VERDICT_REAPED}:{req_id}".encode()
+
+
+def encode_ack(seq: int, remaining_s: float, req_ids: Iterable[str]) -> bytes:
+    """``LK1:A:<seq>:<remaining ms, rounded down>:<ids comma-joined>``."""
+    return f"{ACK_PREFIX}{int(seq)}:{max(0, int(remaining_s * 1000))}:{','.join(req_ids)}".encode()
+
+
+def sequence_token(seq: int) -> str:
+    """The heartbeat id D appends for heartbeat number ``seq``: ``LK1~<seq>``."""
+    return f"{SEQUENCE_TOKEN_PREFIX}{int(seq)}"
+
+
+def split_sequence_token(req_ids: Iterable[str]) -> tuple[int | None, tuple[str, ...]]:
+    """``(seq, the other ids)`` of a heartbeat's ids; ``seq`` is None without a valid ``LK1~<n>``."""
+    seq, rest = None, []
+    for req_id in req_ids:
+        tail = req_id[len(SEQUENCE_TOKEN_PREFIX):] if req_id.startswith(SEQUENCE_TOKEN_PREFIX) else None
+        if tail is not None and _DIGITS.fullmatch(tail):
+            seq = int(tail)
+        else:
+            rest.append(req_id)
+    return seq, tuple(rest)
+
+
+def _decode_protocol(text: str) -> Notification:
+    if text.startswith(HELLO_PREFIX):
+        try:
+            metadata = base64.b64decode(text[len(HELLO_PREFIX):], validate=True)
+        except (binascii.Error, ValueError) as exc:
+            return DecodeError(REASON_BAD_PROTOCOL, f"hello: agent metadata is not base64 ({exc})")
+        if not metadata:
+            return DecodeError(REASON_BAD_PROTOCOL, "hello: empty agent metadata")
+        return Hello(metadata)
+    if text.startswith(VERDICT_PREFIX):
+        verdict, sep, req_id = text[len(VERDICT_PREFIX):].partition(":")
+        if not sep or verdict not in (VERDICT_OK, VERDICT_REAPED):
+            return DecodeError(REASON_BAD_PROTOCOL, f"verdict is not ok|reaped:<id>: {_short(text)}")
+        problem = _id_problem(req_id, max_chars=None)
+        if problem is not None:
+            return DecodeError(problem.reason, f"verdict: {problem.detail}")
+        return Verdict(req_id, verdict == VERDICT_OK)
+    if text.startswith(ACK_PREFIX):
+        parts = text[len(ACK_PREFIX):].split(":", 2)
+        if len(parts) != 3 or not _DIGITS.fullmatch(parts[0]) or not _DIGITS.fullmatch(parts[1]):
+            return DecodeError(REASON_BAD_PROTOCOL, f"ack is not <seq>:<ms>:<ids>: {_short(text)}")
+        ids = tuple(parts[2].split(",")) if parts[2] else ()
+        for req_id in ids:
+            problem = _id_problem(req_id, max_chars=MAX_HEARTBEAT_ID_CHARS)
+            if problem is not None:
+                return DecodeError(problem.reason, f"ack: {problem.detail}")
+        return Ack(int(parts[0]), int(parts[1]) / 1000.0, ids)
+    return DecodeError(REASON_BAD_PROTOCOL, f"unknown LeaseKit protocol message: {_short(text)}")
 
 
 def encode_heartbeat(remote_req_ids: Iterable[str]) -> bytes:
@@ -152,7 +273,8 @@ def decode_notification(msg: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES) -> No
         max_bytes: size ceiling in bytes.
 
     Returns:
-        :class:`Heartbeat`, :class:`Completion` or :class:`DecodeError` (``not_bytes`` for input
+        :class:`Heartbeat`, :class:`Completion`, :class:`Hello`, :class:`Verdict` (after an ``LK1:``
+        prefix: a malformed one is ``bad_protocol``) or :class:`DecodeError` (``not_bytes`` for input
         that is not bytes-like).
     """
     if isinstance(msg, memoryview):
@@ -167,6 +289,8 @@ def decode_notification(msg: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES) -> No
         return DecodeError(REASON_NOT_UTF8, f"{exc.reason} at byte {exc.start}: {_short(bytes(msg[:40]))}")
     if not text:
         return DecodeError(REASON_EMPTY, "empty notification")
+    if text.startswith(PROTOCOL_PREFIX):
+        return _decode_protocol(text)
     if text.startswith(HEARTBEAT_PREFIX):
         ids = tuple(text[len(HEARTBEAT_PREFIX) :].split(","))
         for req_id in ids:
@@ -192,13 +316,15 @@ class NotificationCounters:
 
     ``as_dict()`` shape: ``{"heartbeat": int, "completion": int, "error": {reason: int}}`` with every
     reason of :data:`DECODE_ERROR_REASONS` present (zeros included), plus ``"heartbeat_ids": int``,
-    the total number of request ids carried by heartbeats.
+    the total number of request ids carried by heartbeats, and ``"protocol": int``, LeaseKit hellos
+    and verdicts.
     """
 
     def __init__(self) -> None:
         self.heartbeats = 0
         self.completions = 0
         self.heartbeat_ids = 0
+        self.protocol = 0
         self.errors: dict[str, int] = dict.fromkeys(DECODE_ERROR_REASONS, 0)
 
     def record(self, result: Notification) -> None:
@@ -212,6 +338,8 @@ class NotificationCounters:
             self.heartbeat_ids += len(result.req_ids)
         elif isinstance(result, Completion):
             self.completions += 1
+        elif isinstance(result, (Hello, Verdict, Ack)):
+            self.protocol += 1
         elif isinstance(result, DecodeError):
             self.errors[result.reason] = self.errors.get(result.reason, 0) + 1
         else:
@@ -223,5 +351,6 @@ class NotificationCounters:
             "heartbeat": self.heartbeats,
             "completion": self.completions,
             "heartbeat_ids": self.heartbeat_ids,
+            "protocol": self.protocol,
             "error": dict(self.errors),
         }

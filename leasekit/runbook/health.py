@@ -56,6 +56,7 @@ COUNTERS: dict[str, str] = {
     "late_completions": m.LATE_COMPLETIONS.sample_names[0],
     "heartbeats_sent": m.HEARTBEATS_SENT.sample_names[0],
     "heartbeat_send_failures": m.HEARTBEAT_SEND_FAILURES.sample_names[0],
+    "reads": m.READS.sample_names[0],
 }
 """Report key -> leasekit counter sample name (``_total``)."""
 
@@ -87,6 +88,7 @@ def remote_label(spec: m.MetricSpec) -> str:
 
 BREAKDOWNS: dict[str, tuple[str, str]] = {
     "expiries_by_cause": (COUNTERS["expiries"], "cause"),
+    "reads_by_outcome": (COUNTERS["reads"], "outcome"),
     **{f"{key}_by_{remote_label(spec)}": (spec.sample_names[0], remote_label(spec))
        for key, spec in (("expiries", m.EXPIRIES), ("late_completions", m.LATE_COMPLETIONS),
                          ("heartbeat_send_failures", m.HEARTBEAT_SEND_FAILURES))},
@@ -285,6 +287,13 @@ def verdict(summary: dict[str, Any], *, window: str = "since start") -> tuple[st
         by = ", ".join(f"{k}={v}" for k, v in b[_HB_FAIL_BY_REMOTE].items())
         degraded.append(f"{c['heartbeat_send_failures']} heartbeat send failure(s) {window} (by "
                         f"{remote_label(m.HEARTBEAT_SEND_FAILURES)}: {by})")
+    reads = b.get("reads_by_outcome", {})
+    discarded = sum(reads.get(outcome, 0) for outcome in ("reaped", "timeout"))
+    if discarded > 0:
+        degraded.append(f"{_number(discarded)} read(s) of P's KV blocks discarded {window} (reaped="
+                        f"{_number(reads.get('reaped', 0))}, timeout={_number(reads.get('timeout', 0))}): their "
+                        "leases had expired or P did not confirm them; vLLM's kv_load_failure_policy recomputed "
+                        "or failed those requests, no wrong tokens were served")
     if c.get("handshake_bad_requests", 0) > 0:
         by = ", ".join(f"{k}={v}" for k, v in b.get(_BAD_HANDSHAKES_BY_REASON, {}).items())
         degraded.append(f"{c['handshake_bad_requests']} malformed handshake request(s) refused {window} (by reason: "

@@ -87,6 +87,12 @@ class HeartbeatSpanRecorder:
             tracked.last_s = now
         return counted
 
+    def context_of(self, remote_request_id: str):
+        """An OpenTelemetry context with the request's open heartbeat span as parent (to put D's other
+        spans of the request in its trace), or None when it is not tracked."""
+        tracked = self._tracked.get(remote_request_id)
+        return None if tracked is None else trace.set_span_in_context(tracked.span)
+
     def untrack(self, remote_request_id: str, reason: str = "stopped tracking", *, now: float | None = None) -> bool:
         """End the span (D no longer heartbeats the request). False if not tracked."""
         tracked = self._tracked.pop(remote_request_id, None)

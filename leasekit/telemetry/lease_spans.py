@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -179,6 +179,14 @@ class LeaseSpanRecorder:
         )
         self._open[req_id] = _OpenLease(span=span, deadline_s=deadline_s, grant_s=grant_s, kv_blocks=kv_blocks)
         self._emit(ev.GRANT, req_id, now, kv_blocks=kv_blocks, deadline_remaining_s=deadline_s - now)
+        return True
+
+    def annotate(self, req_id: str, attributes: Mapping[str, Any]) -> bool:
+        """Set extra attributes on ``req_id``'s open span (e.g. chaos evidence). False if unknown."""
+        lease = self._open.get(req_id)
+        if lease is None:
+            return False
+        lease.span.set_attributes(dict(attributes))
         return True
 
     def extend(self, req_id: str, deadline_s: float, *, remote_agent: str | None = None, now: float | None = None) -> bool:

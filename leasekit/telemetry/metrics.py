@@ -26,6 +26,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from leasekit.lease.codec import DECODE_ERROR_REASONS
+from leasekit.lease.readgate import READ_OUTCOMES as _READ_OUTCOMES
+
 VLLM_ENGINE_LABELS = ("model_name", "engine")
 """The labels vLLM puts on every per-engine metric (``vllm/v1/metrics/loggers.py``)."""
 
@@ -37,16 +40,23 @@ heartbeat (D never tracked it, or died or stalled before its first heartbeat); `
 heartbeats were delivered, then stopped for longer than the extension ``E``; ``max_hold``: the lease
 reached its hard cap on total life (``leasekit_max_hold_s``, default 480 s) while still heartbeated."""
 
-NOTIFICATION_DROP_REASONS = (
-    "oversized", "not_utf8", "empty", "no_colon", "bad_count", "empty_id", "bad_id", "not_bytes",
-    "unknown_id", "duplicate", "foreign_heartbeat", "foreign_completion", "internal_error",
+NOTIFICATION_DROP_REASONS = DECODE_ERROR_REASONS + (
+    "unknown_id", "duplicate", "foreign_heartbeat", "foreign_completion", "bad_hello", "internal_error",
 )
 """``reason`` label values of :data:`NOTIFICATIONS_DROPPED`: the codec's refusals
-(:data:`leasekit.lease.codec.DECODE_ERROR_REASONS`), then ``unknown_id`` (a completion for a request P
+(:data:`leasekit.lease.codec.DECODE_ERROR_REASONS`, ``bad_protocol`` for a malformed ``LK1:`` message
+among them), then ``bad_hello`` (a LeaseKit hello whose NIXL agent metadata was refused or names another
+agent than its sender), ``unknown_id`` (a completion for a request P
 never held), ``duplicate`` (a second completion from the same D agent for one lease),
 ``foreign_heartbeat`` / ``foreign_completion`` (from a NIXL agent other than the one the lease is
 bound to, :mod:`leasekit.lease.binding`) and ``internal_error`` (a bug in our handling; the message
 was dropped instead of crashing P's engine)."""
+
+READ_OUTCOMES = _READ_OUTCOMES
+"""``outcome`` label values of :data:`READS` (:mod:`leasekit.lease.readgate`): ``verified`` (P confirmed
+the lease covered the read), ``reaped`` (P had ended the lease: the read was discarded and vLLM's
+``kv_load_failure_policy`` applied), ``timeout`` (no verdict in time: discarded likewise),
+``unprotected`` (a stock P: the read was used unchecked, as stock vLLM does)."""
 
 HOLD_OUTCOMES = ("released", "expired", "aborted")
 """``outcome`` label values of :data:`HOLD` (how the lease ended)."""
@@ -165,6 +175,21 @@ MAX_HOLD = MetricSpec(
     "Configured hard cap on one lease's total life in seconds (leasekit_max_hold_s; default 480, vLLM's "
     "old abort timeout): heartbeats never extend a lease past grant + this.", ("kv_role",), "both")
 
+READS = MetricSpec(
+    PREFIX + "reads", "counter",
+    "Reads of P's KV blocks D finished, by what the read gate decided (verified, reaped, timeout, "
+    "unprotected): counts per request per D TP rank. reaped and timeout reads were discarded, never "
+    "served; unprotected ones were used unchecked (stock P).", _RANK + ("outcome",), "D")
+READ_VERDICT_WAIT = MetricSpec(
+    PREFIX + "read_verdict_wait_seconds", "histogram",
+    "Seconds D held a finished read back waiting for P's verdict (the fail-closed protocol's cost: one "
+    "notification round trip plus P's step), per D TP rank.", _RANK, "D",
+    (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 6, 10))
+VERDICT_SEND_FAILURES = MetricSpec(
+    PREFIX + "verdict_send_failures", "counter",
+    "Read verdicts P failed to send to a D agent (NIXL send_notif raised; D discards that read after its "
+    "timeout): counts per verdict, per P TP rank.", _RANK, "P")
+
 HANDSHAKE_BAD_REASONS = (
     "bad_frames", "oversized", "bad_msgpack", "bad_shape", "unknown_tag", "unknown_rank", "internal_error",
 )
@@ -193,6 +218,7 @@ LEASEKIT_METRICS: tuple[MetricSpec, ...] = (
     LEASES_ACTIVE, PINNED_BLOCKS, EXPIRING_SOON, GRANTS, EXTENSIONS, RELEASES, EXPIRIES, ABORTS,
     LATE_COMPLETIONS, HEARTBEATS_SENT, HEARTBEAT_SEND_FAILURES, HOLD, HEARTBEAT_GAP, RECLAIM_LAG,
     DURATION, HEARTBEAT_INTERVAL, EXTENSION, NOTIFICATIONS_DROPPED, MAX_HOLD,
+    READS, READ_VERDICT_WAIT, VERDICT_SEND_FAILURES,
     HANDSHAKE_LISTENER_UP, HANDSHAKE_REQUESTS, HANDSHAKE_BAD_REQUESTS,
 )
 """Every metric LeaseKitConnector exports, in documentation order."""

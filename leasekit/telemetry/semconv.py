@@ -73,3 +73,13 @@ END_REASON = "leasekit.end_reason"
 EVENT_TRACKED = "tracked"
 EVENT_FIRST_HEARTBEAT = "first_heartbeat"
 EVENT_UNTRACKED = "untracked"
+
+# D side: one span per read of P's KV blocks D finished, from the read's end to the read gate's
+# decision (leasekit.lease.readgate): held back for P's verdict, then used or discarded.
+READ_SPAN_NAME = "kv_lease_read"
+"""D-side span; ``gen_ai.request.id`` = P's request id, ``leasekit.read_outcome`` = verified | reaped |
+timeout | unprotected (reaped and timeout reads were discarded: vLLM's ``kv_load_failure_policy``)."""
+READ_OUTCOME = "leasekit.read_outcome"
+READ_VERDICT_WAIT_S = "leasekit.read_verdict_wait_s"
+READ_AGENTS = "leasekit.read_agents"
+READ_DISCARDED_OUTCOMES = ("reaped", "timeout")

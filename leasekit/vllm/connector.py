@@ -21,6 +21,12 @@ life (``leasekit_max_hold_s``, default 480 s). The scheduler's side-channel hand
 refuses, counts and survives malformed handshake requests, and its liveness reaches ``/metrics``
 through the scheduler-role ``get_kv_connector_stats``.
 
+Fail closed (docs/fail-closed.md): P marks the ``kv_transfer_params`` it returns with
+``leasekit_protocol``; a LeaseKit D then holds each finished read until P confirmed that the lease
+covered it (:mod:`leasekit.vllm.dgate`, P's side in :mod:`leasekit.vllm.notifs`), and a read P had
+reaped, or not confirmed in time, is reported failed so vLLM's ``kv_load_failure_policy`` applies.
+D's heartbeat sending and the chaos fault points are :mod:`leasekit.vllm.dheartbeats`.
+
 Each transition goes to the lease span, to the Prometheus metrics (through vLLM's connector-stats
 path, :mod:`leasekit.vllm.stats`, onto the server's own ``/metrics``) and to one structured log record
 (:mod:`leasekit.telemetry.lease_log`). Lease spans join the request's trace when the HTTP request
@@ -29,13 +35,13 @@ carried a W3C ``traceparent`` (vLLM's ``Request.trace_headers``).
 Configuration (``kv_connector_extra_config``): ``kv_lease_duration`` (vLLM's own),
 ``leasekit_run_dir`` (span directory; default env ``LEASEKIT_RUN_DIR``, else ``./leasekit-run``),
 ``leasekit_max_hold_s`` (seconds, ``[L, 86400]``, default 480), ``leasekit_max_notification_bytes``
-(``[1024, 64 MiB]``, default 1 MiB); an out-of-range value stops the worker at start with the fix.
+(``[1024, 64 MiB]``, default 1 MiB), ``leasekit_verdict_timeout_s`` (D: seconds to wait for P's
+verdict on a read, ``[0.05, 600]``, default L); an out-of-range value stops the worker at start with the fix.
 Telemetry errors are logged (rate-limited) and never raised into the engine loop.
 """
 
 from __future__ import annotations
 
-import copy
 import os
 import time
 from typing import TYPE_CHECKING, Any
@@ -70,13 +76,16 @@ from leasekit.telemetry.decode_spans import HeartbeatSpanRecorder  # noqa: E402
 from leasekit.telemetry.lease_log import LeaseLogObserver, RateLimitedWarning, lease_logger  # noqa: E402
 from leasekit.telemetry.lease_spans import LeaseSpanRecorder  # noqa: E402
 from leasekit.telemetry.provider import build_tracer_provider  # noqa: E402
-from leasekit.vllm.faultpoints import FaultPoints  # noqa: E402
+from leasekit.lease.codec import PROTOCOL_PARAM, PROTOCOL_VERSION  # noqa: E402
+from leasekit.vllm.dgate import DReadGating, verdict_timeout  # noqa: E402
+from leasekit.vllm.dheartbeats import DHeartbeats  # noqa: E402
+from leasekit.vllm.faultpoints import FAULT_FILE_ENV, FaultPoints  # noqa: E402
+from leasekit.vllm.kvdigest import KV_DIGEST_ATTR, kv_digest  # noqa: E402
 from leasekit.vllm.listener import ListenerHealth, serve_handshakes  # noqa: E402
 from leasekit.vllm.notifs import PNotificationHandling, notification_settings  # noqa: E402
 from leasekit.vllm.stats import LeaseKitKVConnectorStats, LeaseKitPromMetrics, LeaseStatsObserver  # noqa: E402
 from leasekit.vllm.stats import ListenerStatsReporter  # noqa: E402
-from leasekit.vllm.taps import HEARTBEAT_PREFIX as _HEARTBEAT_PREFIX  # noqa: E402
-from leasekit.vllm.taps import HeartbeatBatch, NotificationTap, TelemetryErrors  # noqa: E402
+from leasekit.vllm.taps import NotificationTap, TelemetryErrors  # noqa: E402
 
 check_hooks(NixlPullConnectorWorker, REQUIRED_WORKER_METHODS)
 check_hooks(NixlPullConnectorScheduler, REQUIRED_SCHEDULER_METHODS)
@@ -95,6 +104,8 @@ METADATA_BLOCKS_ATTR = "leasekit_kv_blocks"
 METADATA_TRACE_ATTR = "leasekit_trace_headers"
 METADATA_TRACKED_ATTR = "leasekit_tracked"
 METADATA_UNTRACKED_ATTR = "leasekit_untracked"
+METADATA_PROTECTED_ATTR = "leasekit_protected"
+METADATA_BLOCK_IDS_ATTR = "leasekit_kv_block_ids"
 
 
 def _run_dir(kv_transfer_config: Any) -> str:
@@ -114,6 +125,9 @@ class LeaseKitPullScheduler(NixlPullConnectorScheduler):
         self._leasekit_trace: dict[str, dict[str, str]] = {}
         self._leasekit_tracked: list[list[Any]] = []
         self._leasekit_untracked: list[str] = []
+        self._leasekit_protected: list[list[Any]] = []
+        self._leasekit_block_ids: dict[str, list[int]] = {}  # only with fault points (kvdigest.py)
+        self._lk_digests = bool(os.environ.get(FAULT_FILE_ENV))
         self._lk_listener = ListenerHealth()
         self._lk_listener_stats = ListenerStatsReporter()
         self._lk_listener_report = bool(vllm_config.kv_transfer_config.is_kv_producer)
@@ -149,8 +163,12 @@ class LeaseKitPullScheduler(NixlPullConnectorScheduler):
         """Stock ``request_finished``; records ``sum(len(group))`` blocks for a delayed free (a lease)
         and the request's W3C trace headers, if it had any."""
         delay_free, params = super().request_finished(request, block_ids)
+        if delay_free and isinstance(params, dict) and params.get("do_remote_prefill"):
+            params[PROTOCOL_PARAM] = PROTOCOL_VERSION  # D may hold its read for P's verdict (dgate.py)
         if delay_free and request.request_id in self._reqs_need_send:
             self._leasekit_blocks[request.request_id] = sum(len(group) for group in block_ids)
+            if self._lk_digests and block_ids:
+                self._leasekit_block_ids[request.request_id] = list(block_ids[0])
             headers = getattr(request, "trace_headers", None)
             if headers:
                 self._leasekit_trace[request.request_id] = dict(headers)
@@ -160,6 +178,9 @@ class LeaseKitPullScheduler(NixlPullConnectorScheduler):
         """Stock tracking (D); a request it starts heartbeating is handed to the workers as
         ``[P request id, P engine id, D request id, trace headers]``."""
         super().on_new_request(request)
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_prefill") and params.get(PROTOCOL_PARAM) == PROTOCOL_VERSION:
+            self._leasekit_protected.append([request.request_id, params.get("remote_engine_id")])
         key = self._heartbeat_req_engine.get(request.request_id)
         if key is not None:
             headers = getattr(request, "trace_headers", None)
@@ -180,12 +201,14 @@ class LeaseKitPullScheduler(NixlPullConnectorScheduler):
         setattr(meta, METADATA_TRACE_ATTR, self._leasekit_trace)
         setattr(meta, METADATA_TRACKED_ATTR, self._leasekit_tracked)
         setattr(meta, METADATA_UNTRACKED_ATTR, self._leasekit_untracked)
-        self._leasekit_blocks, self._leasekit_trace = {}, {}
-        self._leasekit_tracked, self._leasekit_untracked = [], []
+        setattr(meta, METADATA_PROTECTED_ATTR, self._leasekit_protected)
+        setattr(meta, METADATA_BLOCK_IDS_ATTR, self._leasekit_block_ids)
+        self._leasekit_blocks, self._leasekit_trace, self._leasekit_block_ids = {}, {}, {}
+        self._leasekit_tracked, self._leasekit_untracked, self._leasekit_protected = [], [], []
         return meta
 
 
-class LeaseKitPullWorker(PNotificationHandling, NixlPullConnectorWorker):
+class LeaseKitPullWorker(DHeartbeats, DReadGating, PNotificationHandling, NixlPullConnectorWorker):
     """Worker side: stock NIXL pull worker that records every lease transition as span events, and
     handles D's notifications robustly (:mod:`leasekit.vllm.notifs`)."""
 
@@ -224,9 +247,11 @@ class LeaseKitPullWorker(PNotificationHandling, NixlPullConnectorWorker):
             observers=(self._lk_stats, LeaseLogObserver()),
         )
         self._lk_init_notifications(max_hold_s, max_bytes)
+        self._lk_init_gate(verdict_timeout(self.kv_transfer_config, timing.lease_duration_s), tracer)
         self._lk_hb = HeartbeatSpanRecorder(tracer, engine_id=engine_id, tp_rank=self.tp_rank, kv_role=kv_role)
         self._lk_hb_warning = RateLimitedWarning(lease_logger())
         self._lk_tap = NotificationTap(self.nixl_wrapper, self._lk_heartbeat_sent)
+        self._lk_tap.rewrite = self._lk_sequence_heartbeat
         self.nixl_wrapper = self._lk_tap
         self._lk_last_step: float | None = None
         self._lk_step_gap: float | None = None
@@ -251,6 +276,7 @@ class LeaseKitPullWorker(PNotificationHandling, NixlPullConnectorWorker):
         With fault points enabled, a configured forward-pass stall sleeps here first."""
         if self._lk_faults.enabled:
             self._lk_apply_stall()
+        self._lk_protect(getattr(metadata, METADATA_PROTECTED_ATTR, None))
         super().start_load_kv(metadata)
         tracked = getattr(metadata, METADATA_TRACKED_ATTR, None)
         untracked = getattr(metadata, METADATA_UNTRACKED_ATTR, None)
@@ -272,68 +298,11 @@ class LeaseKitPullWorker(PNotificationHandling, NixlPullConnectorWorker):
                 deadline = self._reqs_to_send.get(req_id)
                 if deadline is not None and not self._lk.has(req_id):
                     self._lk.grant(req_id, deadline, kv_blocks=blocks.get(req_id), trace_headers=traces.get(req_id))
+                    block_ids = (getattr(metadata, METADATA_BLOCK_IDS_ATTR, None) or {}).get(req_id)
+                    if block_ids and self._lk_faults.enabled:
+                        self._lk.annotate(req_id, {KV_DIGEST_ATTR: kv_digest(self, block_ids) or ""})
         except Exception as exc:  # telemetry must never stop the engine
             self._lk_errors.report("grant", exc)
-
-    def _lk_heartbeat_sent(self, agent_name: str, notif_msg: bytes, ok: bool) -> None:
-        """Count one heartbeat notification (D): metric, span counts, rate-limited WARNING on failure."""
-        try:
-            engine = next(
-                (eid for eid, agents in self._remote_agents.items() if agent_name in agents.values()), "unknown"
-            )
-            self._lk_stats.heartbeat(engine, ok)
-            if ok:
-                ids = bytes(notif_msg)[len(_HEARTBEAT_PREFIX):].decode("utf-8", "replace").split(",")
-                self._lk_hb.sent(ids)
-            else:
-                self._lk_hb_warning.warn(
-                    "LeaseKit: heartbeat notification to P engine %s (NIXL agent %s) failed to send; "
-                    "P will expire its leases if this persists longer than E=%s s",
-                    engine, agent_name, self._lk_timing.extension_s,
-                    event="heartbeat_send_failure", remote_engine_id=engine, tp_rank=self.tp_rank,
-                )
-        except Exception as exc:
-            self._lk_errors.report("heartbeat", exc)
-
-    def _lk_apply_stall(self) -> None:
-        faults = self._lk_faults
-        faults.poll()
-        stall = faults.forward_stall()
-        if stall > 0:
-            start = time.perf_counter()
-            time.sleep(stall)
-            faults.record_stall(start, time.perf_counter())
-
-    # -- heartbeats (D side) ---------------------------------------------------------------
-    def _send_heartbeats(self, metadata: Any) -> None:
-        """Stock heartbeat sending; with fault points enabled, batches may be dropped, delayed or
-        duplicated here, in the send path, with real NIXL underneath."""
-        faults = self._lk_faults
-        if not faults.enabled:
-            super()._send_heartbeats(metadata)
-            return
-        now = time.perf_counter()
-        while faults.delayed and faults.delayed[0][0] <= now:
-            _, batch = faults.delayed.pop(0)
-            super()._send_heartbeats(HeartbeatBatch(batch))
-        batch = metadata.heartbeat_by_engine
-        if not batch:
-            return
-        ids = sorted(rid for info in batch.values() for rid in info.req_ids)
-        action, copies, delay = faults.heartbeat_action()
-        if action == "drop":
-            faults.record_heartbeat("drop", ids)
-        elif action == "delay":
-            frozen = {engine: copy.copy(info) for engine, info in batch.items()}
-            for info in frozen.values():
-                info.req_ids = set(info.req_ids)
-            faults.delayed.append((now + delay, frozen))
-            faults.delayed.sort(key=lambda item: item[0])
-            faults.record_heartbeat("delay", ids)
-        else:
-            for _ in range(copies):
-                super()._send_heartbeats(metadata)
-            faults.record_heartbeat("send", ids, copies)
 
     # -- step bookkeeping ------------------------------------------------------------------
     def get_transfer_results(self) -> Any:

@@ -17,7 +17,15 @@ request in ``_reqs_to_send``/``_reqs_to_process`` counts one consumer, and the b
   lease that already ended is a late read (span, metric, rate-limited WARNING, vLLM's
   ``notifications_after_expiry`` counter);
 - max hold: no heartbeat extends a lease past ``grant + max_hold_s`` (default 480 s,
-  ``leasekit_max_hold_s``); such a lease expires with cause ``max_hold``.
+  ``leasekit_max_hold_s``); such a lease expires with cause ``max_hold``;
+- the LeaseKit protocol (docs/fail-closed.md): a hello ``LK1:HELLO:<metadata>`` from a D agent adds that
+  agent (connection info only) so P can notify it; every completion from such an agent is answered
+  with a verdict ``LK1:V:ok|reaped:<id>`` (``ok`` iff the lease was live when P handled it); verdicts
+  for an agent whose hello has not arrived yet are kept (bounded) and sent when it does. Every heartbeat
+  from such an agent that carries D's sequence token ``LK1~<n>`` is acknowledged,
+  ``LK1:A:<n>:<remaining ms>:<ids>`` (the ids it extended and the least time left over them, counted from
+  ``now``, read before the batch was handled). Verdicts and
+  acknowledgements received (D side) go to the read gate (:mod:`leasekit.vllm.dgate`).
 
 Each drop is one ``leasekit_kv_lease_notifications_dropped_total{reason}`` increment and a WARNING at
 most every 10 s (with the suppressed count). An unexpected exception while handling one message drops
@@ -27,10 +35,24 @@ that message (``internal_error``) and the rest of the batch is still handled.
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Any
 
 from leasekit.lease.binding import DUPLICATE, FOREIGN, RELEASED, LeaseBinding
-from leasekit.lease.codec import DEFAULT_MAX_BYTES, Completion, DecodeError, Heartbeat, decode_notification
+from leasekit.lease.codec import (
+    DEFAULT_MAX_BYTES,
+    Ack,
+    Completion,
+    DecodeError,
+    Heartbeat,
+    Hello,
+    Verdict,
+    decode_notification,
+    encode_ack,
+    encode_verdict,
+    split_sequence_token,
+)
+from leasekit.lease.readgate import agent_name
 from leasekit.telemetry import lease_events as ev
 from leasekit.telemetry.lease_log import RateLimitedWarning, lease_logger
 
@@ -40,6 +62,10 @@ DEFAULT_MAX_HOLD_S = 480.0
 MAX_HOLD_EXTRA_KEY = "leasekit_max_hold_s"
 MAX_BYTES_EXTRA_KEY = "leasekit_max_notification_bytes"
 MAX_BYTES_LIMIT = 64 << 20
+MAX_PENDING_VERDICTS_PER_AGENT = 256
+"""Verdicts kept for one D agent whose hello has not arrived (the oldest go first)."""
+MAX_PENDING_AGENTS = 64
+"""Agents with kept verdicts (stock D agents never say hello; the oldest agent's are dropped first)."""
 
 
 class NotificationConfigError(ValueError):
@@ -87,6 +113,9 @@ class PNotificationHandling:
         self._lk_max_bytes = max_bytes
         self._lk_drop_warning = RateLimitedWarning(lease_logger())
         self._lk_late_warning = RateLimitedWarning(lease_logger())
+        self._lk_verdict_warning = RateLimitedWarning(lease_logger())
+        self._lk_protocol_agents: set[str] = set()
+        self._lk_pending_verdicts: dict[str, deque[bytes]] = {}
 
     def _get_new_notifs(self) -> set[str]:
         """Drain NIXL notifications (see module docstring); returns the request ids whose blocks every
@@ -98,7 +127,7 @@ class PNotificationHandling:
             heartbeats_seen: set[bytes] = set()
             for raw in messages:
                 try:
-                    self._lk_notification(str(agent), raw, now, done, heartbeats_seen)
+                    self._lk_notification(agent_name(agent), raw, now, done, heartbeats_seen)
                 except Exception as exc:  # a bug of ours must not take P's engine down
                     self._lk_drop("internal_error", agent, f"{type(exc).__name__}: {exc}")
         return done
@@ -116,9 +145,63 @@ class PNotificationHandling:
             self._lk_heartbeat(agent, message.req_ids, now)
         elif isinstance(message, Completion):
             self._lk_completion(agent, message, now, done)
+        elif isinstance(message, Hello):
+            self._lk_hello(agent, message)
+        elif isinstance(message, Verdict):
+            gate = getattr(self, "_lk_gate", None)
+            if gate is not None:
+                gate.verdict(agent, message.req_id, message.ok)
+        elif isinstance(message, Ack):
+            gate = getattr(self, "_lk_gate", None)
+            if gate is not None:
+                gate.ack(agent, message.seq, message.remaining_s, message.req_ids)
+
+    def _lk_hello(self, agent: str, hello: Hello) -> None:
+        if agent in self._lk_protocol_agents:
+            return  # a repeat (one per P agent per D worker is sent; harmless)
+        try:
+            name = self.nixl_wrapper.add_remote_agent(hello.agent_metadata)
+        except Exception as exc:
+            self._lk_drop("bad_hello", agent, f"NIXL refused the agent metadata: {type(exc).__name__}: {exc}")
+            return
+        name = agent_name(name)
+        if name != agent:
+            self._lk_drop("bad_hello", agent, f"hello names agent {name!r}, not its sender")
+            return
+        self._lk_protocol_agents.add(agent)
+        lease_logger().info("LeaseKit: D agent %s speaks the fail-closed protocol; its reads get verdicts", agent)
+        for msg in self._lk_pending_verdicts.pop(agent, ()):
+            self._lk_send_verdict_bytes(agent, msg)
+
+    def _lk_verdict(self, agent: str, req_id: str, ok: bool) -> None:
+        """Answer one completion (see module docstring); keep it if the agent's hello is still due."""
+        msg = encode_verdict(req_id, ok)
+        if agent in self._lk_protocol_agents:
+            self._lk_send_verdict_bytes(agent, msg)
+            return
+        pending = self._lk_pending_verdicts.get(agent)
+        if pending is None:
+            if len(self._lk_pending_verdicts) >= MAX_PENDING_AGENTS:
+                del self._lk_pending_verdicts[next(iter(self._lk_pending_verdicts))]
+            pending = self._lk_pending_verdicts[agent] = deque(maxlen=MAX_PENDING_VERDICTS_PER_AGENT)
+        pending.append(msg)
+
+    def _lk_send_verdict_bytes(self, agent: str, msg: bytes) -> None:
+        try:
+            self.nixl_wrapper.send_notif(agent, notif_msg=msg)
+        except Exception as exc:  # D then times out and discards the read: safe, and logged here
+            self._lk_stats.verdict_send_failed()
+            self._lk_verdict_warning.warn(
+                "LeaseKit: could not send a read verdict to D agent %s (%s: %s); D will discard that read "
+                "after its verdict timeout", agent, type(exc).__name__, exc,
+                event="verdict_send_failure", remote_agent=agent,
+            )
 
     def _lk_heartbeat(self, agent: str, req_ids: tuple[str, ...], now: float) -> None:
         extension = self._lease_extension
+        seq, req_ids = split_sequence_token(req_ids)
+        acked: list[str] = []
+        remaining = float("inf")
         for req_id in req_ids:
             old = self._reqs_to_send.get(req_id)
             if old is None:
@@ -129,6 +212,10 @@ class PNotificationHandling:
             new = max(old, min(now + extension, self._lk_cap(req_id, old)))
             self._reqs_to_send[req_id] = new
             self._lk.extend(req_id, new, remote_agent=agent, now=now)
+            acked.append(req_id)
+            remaining = min(remaining, new - now)
+        if seq is not None and agent in self._lk_protocol_agents:
+            self._lk_send_verdict_bytes(agent, encode_ack(seq, remaining if acked else 0.0, acked))
 
     def _lk_cap(self, req_id: str, deadline: float) -> float:
         grant = self._lk.grant_time(req_id)
@@ -136,7 +223,9 @@ class PNotificationHandling:
 
     def _lk_completion(self, agent: str, message: Completion, now: float, done: set[str]) -> None:
         req_id = message.req_id
-        if req_id not in self._reqs_to_send and req_id not in self._reqs_to_process:
+        live = req_id in self._reqs_to_send or req_id in self._reqs_to_process
+        self._lk_verdict(agent, req_id, live)  # before anything can raise: D must hear, whatever happens
+        if not live:
             if self._lk.late_read(req_id, remote_agent=agent, now=now):
                 self.xfer_stats.record_notification_after_expiry()
                 self._lk_late_warning.warn(

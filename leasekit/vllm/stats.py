@@ -39,8 +39,11 @@ STATE = "lk_state"  # [rank, active, pinned_blocks, expiring_soon]  latest wins
 CONFIG = "lk_config"  # [rank, kv_role, L, H, E]
 DROPS = "lk_drops"  # [rank, reason, count]  one entry per reason per step (a flood stays small)
 MAX_HOLD = "lk_max_hold"  # [rank, kv_role, max_hold_s]
+READS = "lk_reads"  # [rank, outcome, wait_s]  D's read gate, one per decided read
+VERDICT_FAILS = "lk_verdict_fails"  # [rank]  P failed to send a read verdict
 LISTENER = "lk_listener"  # [up (1|0), served_total, {reason: total}]  scheduler side, no rank; latest wins
-LEASE_KEYS = (GRANTS, EXTENSIONS, ENDS, LATE, HEARTBEATS, STATE, CONFIG, DROPS, MAX_HOLD, LISTENER)
+LEASE_KEYS = (GRANTS, EXTENSIONS, ENDS, LATE, HEARTBEATS, STATE, CONFIG, DROPS, MAX_HOLD, READS, VERDICT_FAILS,
+              LISTENER)
 
 
 class LeaseKitKVConnectorStats(NixlKVConnectorStats):
@@ -114,6 +117,15 @@ class LeaseStatsObserver:
                 entry[2] += 1
                 return
         entries.append([self.tp_rank, str(reason), 1])
+
+    def read(self, outcome: str, wait_s: float) -> None:
+        """Record one read D's gate decided (``outcome``: one of ``metrics.READ_OUTCOMES``; ``wait_s``:
+        seconds the read was held back)."""
+        self.stats.data[READS].append([self.tp_rank, str(outcome), float(wait_s)])
+
+    def verdict_send_failed(self) -> None:
+        """Record one read verdict P failed to send."""
+        self.stats.data[VERDICT_FAILS].append([self.tp_rank])
 
     def max_hold(self, kv_role: str, max_hold_s: float) -> None:
         """Queue the configured max hold (seconds) for its gauge."""
@@ -201,7 +213,8 @@ class LeaseKitPromMetrics(NixlPromMetrics):
                 continue                          # its own entry, see _listener
             extra: list[list[str]] = [[]]
             for label in spec.labels[1:]:  # tp_rank first
-                values = {"cause": m.EXPIRY_CAUSES, "outcome": m.HOLD_OUTCOMES,
+                values = {"cause": m.EXPIRY_CAUSES,
+                          "outcome": m.READ_OUTCOMES if spec is m.READS else m.HOLD_OUTCOMES,
                           "reason": m.NOTIFICATION_DROP_REASONS}.get(label, (m.UNKNOWN_REMOTE,))
                 extra = [e + [v] for e in extra for v in values]
             for values in extra:
@@ -242,6 +255,12 @@ class LeaseKitPromMetrics(NixlPromMetrics):
             self._child(m.EXTENSION, engine_idx, role).set(extension_s)
         for rank, reason, count in d.get(DROPS, ()):
             self._child(m.NOTIFICATIONS_DROPPED, engine_idx, rank, reason).inc(count)
+        for rank, outcome, wait_s in d.get(READS, ()):
+            self._child(m.READS, engine_idx, rank, outcome).inc()
+            if outcome != "unprotected":
+                self._child(m.READ_VERDICT_WAIT, engine_idx, rank).observe(wait_s)
+        for (rank,) in d.get(VERDICT_FAILS, ()):
+            self._child(m.VERDICT_SEND_FAILURES, engine_idx, rank).inc()
         for _rank, role, max_hold_s in d.get(MAX_HOLD, ()):
             self._child(m.MAX_HOLD, engine_idx, role).set(max_hold_s)
         for up, served, bad in d.get(LISTENER, ()):  # in order: the last one wins

@@ -5,6 +5,7 @@ metadata for delayed heartbeats, and rate-limited telemetry error reports. No vL
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from leasekit.telemetry.lease_log import RateLimitedWarning
@@ -42,14 +43,21 @@ class NotificationTap:
         self.last_batch: dict[str, list[bytes]] = {}
         self._agent_by_msg: dict[bytes, str] | None = None
         self._on_heartbeat_sent = on_heartbeat_sent  # (agent_name, notif_msg, ok) -> None
+        self.last_send_started: float | None = None  # perf_counter() just before the last heartbeat send
+        self.rewrite: Any = None  # (agent_name, notif_msg, started_s) -> the heartbeat bytes to send
 
     def send_notif(self, agent_name: str, notif_msg: bytes, *args: Any, **kwargs: Any) -> Any:
         """NIXL ``send_notif``; heartbeats (``HB:``) are reported to ``on_heartbeat_sent`` with
-        whether the send raised (the exception still propagates to vLLM, which logs it at DEBUG)."""
+        whether the send raised (the exception still propagates to vLLM, which logs it at DEBUG);
+        ``last_send_started`` holds the ``perf_counter`` seconds read just before the send, and
+        ``rewrite`` (if set) may change the heartbeat's bytes on the wire (the callback still gets the
+        original)."""
         if self._on_heartbeat_sent is None or not bytes(notif_msg).startswith(HEARTBEAT_PREFIX):
             return self._wrapped.send_notif(agent_name, notif_msg, *args, **kwargs)
+        self.last_send_started = time.perf_counter()
+        wire = notif_msg if self.rewrite is None else self.rewrite(agent_name, notif_msg, self.last_send_started)
         try:
-            result = self._wrapped.send_notif(agent_name, notif_msg, *args, **kwargs)
+            result = self._wrapped.send_notif(agent_name, wire, *args, **kwargs)
         except Exception:
             self._on_heartbeat_sent(agent_name, notif_msg, False)
             raise

@@ -22,6 +22,9 @@ REQUIRED_WORKER_METHODS: tuple[str, ...] = (
     "_reap_expired_send_leases",
     "_send_heartbeats",
     "shutdown",
+    "_read_blocks",
+    "_pop_done_transfers",
+    "_send_pending_recv_notifs",
     "get_kv_connector_stats",
 )
 REQUIRED_SCHEDULER_METHODS: tuple[str, ...] = (

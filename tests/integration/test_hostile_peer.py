@@ -9,11 +9,9 @@ import os
 import time
 from collections import Counter
 
-import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from prometheus_client.parser import text_string_to_metric_families
 
 from leasekit.chaos.leases import read_leases
 from leasekit.chaos.peer import NixlPeer
@@ -21,6 +19,7 @@ from leasekit.chaos.workload import QueuedDecodeLoad
 from leasekit.cluster.pair import PairSpec, PDPair
 from leasekit.lease.codec import DECODE_ERROR_REASONS, DecodeError, decode_notification
 from leasekit.telemetry import metrics as m
+from tests.scrape import labelled
 
 pytestmark = pytest.mark.pair
 L, E, MAX_HOLD = 6, 4, 12
@@ -44,13 +43,7 @@ def peer(pair):
 
 
 def drops(pair) -> Counter:
-    text = httpx.get(f"{pair.prefill.url}/metrics", timeout=5).text
-    out: Counter = Counter()
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == DROPPED:
-                out[sample.labels["reason"]] += sample.value
-    return out
+    return labelled(pair.prefill.url, DROPPED, "reason")
 
 
 def wait_drops(pair, expected: Counter, timeout_s: float = 30.0) -> Counter:

@@ -8,6 +8,8 @@ import pytest
 from leasekit.chaos.leases import read_leases
 from leasekit.chaos.workload import QueuedDecodeLoad
 from leasekit.cluster.pair import PairSpec, PDPair
+from leasekit.telemetry import metrics as m
+from tests.scrape import labelled
 
 pytestmark = pytest.mark.pair
 L = 6
@@ -50,6 +52,7 @@ def test_leasekit_prefill_with_stock_decode(pair):
         assert lease.end_s - lease.grant_s > L  # alive past L only through heartbeats
         assert lease.remote_agent
     assert "Releasing expired KV blocks" not in pair.prefill.log_path.read_text()
+    assert "speaks the fail-closed protocol" not in pair.prefill.log_path.read_text()  # stock D: no hello
 
 
 @pytest.mark.parametrize("pair", [("stock", "leasekit")], indirect=True)
@@ -59,3 +62,7 @@ def test_stock_prefill_with_leasekit_decode(pair):
     assert "Releasing expired KV blocks" not in log, "LeaseKit D's heartbeats must keep stock P's leases"
     # stock P writes no lease spans; LeaseKit D's span file holds no P-side leases
     assert read_leases(pair.span_dir)[0] == []
+    # no LeaseKit protocol toward a stock P (it would crash on an LK1 message): D reads unprotected
+    assert "said hello" not in pair.decode.log_path.read_text()
+    reads = labelled(pair.decode.url, m.READS.sample_names[0], "outcome")
+    assert reads["unprotected"] >= 2 and reads["verified"] == reads["reaped"] == reads["timeout"] == 0, reads

@@ -137,11 +137,12 @@ def test_explain_prints_the_lease_timeline_and_spans_join_one_trace(observed_run
     assert "grant" in done.stdout and "expire" in done.stdout and request_id in done.stdout
     doc = json.loads(leasekit("explain", request_id, "--run-dir", str(pair.run_dir), "-o", "json").stdout)
     assert json.dumps(doc).count("heartbeat_lapsed") or "expired" in json.dumps(doc)
-    # the normally served request: P's lease span and D's heartbeat span, joined by request id and trace
+    # the normally served request: P's lease span, D's heartbeat span and D's read span, joined by
+    # request id and trace
     served_id = observed_run["served"].prefill.request_id
     spans = [s for s in read_span_dir(pair.span_dir).spans if s.attributes.get(sc.REQUEST_ID) == served_id]
     names = sorted(s.name for s in spans)
-    assert names == sorted([sc.LEASE_SPAN_NAME, sc.HEARTBEATS_SPAN_NAME]), names
+    assert names == sorted([sc.LEASE_SPAN_NAME, sc.HEARTBEATS_SPAN_NAME, sc.READ_SPAN_NAME]), names
     trace_id = observed_run["served"].prefill.traceparent.split("-")[1]
     assert {s.trace_id for s in spans} == {trace_id}, "P's and D's lease spans must join the router's trace"
     # vLLM's own request spans (P's and D's llm_request), exported over OTLP, are in the same trace

@@ -1,0 +1,207 @@
+"""D's side of the fail-closed protocol in LeaseKitConnector's NIXL worker (docs/fail-closed.md).
+
+A read of P's KV blocks becomes tokens only after P confirmed that the lease covered it
+(:class:`leasekit.lease.readgate.ReadGate`). Hooks of vllm 0.32.0 (``.../kv_connector/v1/nixl/``):
+
+- ``_read_blocks`` (``pull_worker.py``): before the first read from a P agent for a request P marked
+  with ``leasekit_protocol``, send that agent ``LK1:HELLO:<NIXL partial agent metadata>`` (connection
+  info only) so that P can notify D back; record which P agents must answer for the request;
+- ``_pop_done_transfers`` (``base_worker.py``) for ``_recving_transfers``: a protected read that finished
+  is held back instead of reported done (its deferred mixed-memory completions are sent now, so P hears
+  of it); each step, held reads are decided: ``verified`` ones are reported done, ``reaped`` and
+  ``timeout`` ones are reported failed, so vLLM puts their local blocks in ``_invalid_block_ids`` and
+  the scheduler applies ``kv_load_failure_policy`` (``recompute``, or a request-level error). Reads of
+  requests P did not mark (stock P) are ``unprotected``: used as stock does, and counted.
+
+Every decision is a ``kv_lease_read`` span, a ``leasekit_kv_lease_reads_total{outcome}`` increment
+(with the wait in ``leasekit_kv_lease_read_verdict_wait_seconds``) and, for discarded reads, a
+rate-limited WARNING. A failure of this code never raises into the engine loop: a read it could not
+gate is reported failed (fail closed), not served.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from leasekit.lease.codec import encode_hello, sequence_token
+from leasekit.lease.readgate import OUTCOME_UNPROTECTED, OUTCOME_VERIFIED, GateResult, ReadGate, agent_name
+from leasekit.telemetry import semconv as sc
+from leasekit.telemetry.lease_log import RateLimitedWarning, lease_logger
+from leasekit.vllm.kvdigest import KV_DIGEST_ATTR, kv_digest
+
+VERDICT_TIMEOUT_EXTRA_KEY = "leasekit_verdict_timeout_s"
+VERDICT_TIMEOUT_RANGE_S = (0.05, 600.0)
+
+
+class ReadGateConfigError(ValueError):
+    """``leasekit_verdict_timeout_s`` is out of range (message: field, value, allowed range, fix)."""
+
+
+def verdict_timeout(extra_config: Any, lease_duration_s: float) -> float:
+    """Seconds D waits for P's verdicts on one read: ``kv_connector_extra_config.leasekit_verdict_timeout_s``,
+    default the lease duration ``L`` (while P holds leases its loop handles notifications at least that
+    often, or they expire anyway).
+
+    Raises:
+        ReadGateConfigError: not a number of seconds in ``[0.05, 600]``.
+    """
+    get = getattr(extra_config, "get_from_extra_config", None) or (lambda k, d: extra_config.get(k, d))
+    value = get(VERDICT_TIMEOUT_EXTRA_KEY, float(lease_duration_s))
+    low, high = VERDICT_TIMEOUT_RANGE_S
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise ReadGateConfigError(
+            f"kv_connector_extra_config.{VERDICT_TIMEOUT_EXTRA_KEY}={value!r}: must be seconds in [{low}, {high}]; "
+            f"fix: leave it unset (the lease duration, {lease_duration_s} s)"
+        )
+    return float(value)
+
+
+def partial_agent_metadata(nixl_wrapper: Any) -> bytes:
+    """This worker's NIXL agent metadata with connection info only (no memory descriptors): what P
+    needs to ``add_remote_agent`` and ``send_notif`` back. About 340 bytes with UCX."""
+    from nixl._api import nixlBind  # NIXL's own bindings, as vLLM imports them
+
+    return bytes(nixl_wrapper.get_partial_agent_metadata(nixlBind.nixlRegDList(nixlBind.DRAM_SEG),
+                                                         inc_conn_info=True, backends=["UCX"]))
+
+
+class DReadGating:
+    """Mixin for LeaseKitConnector's NIXL worker (needs vLLM's ``_remote_agents``, ``_recving_transfers``,
+    ``_recving_metadata``, ``_send_pending_recv_notifs``, ``nixl_wrapper`` and LeaseKit's ``_lk_stats``,
+    ``_lk_errors``, ``_lk_hb`` (D's heartbeat spans: the read span joins the request's trace)). Call :meth:`_lk_init_gate` in ``__init__``."""
+
+    def _lk_init_gate(self, timeout_s: float, tracer: Any) -> None:
+        self._lk_gate = ReadGate(timeout_s)
+        self._lk_gate_tracer = tracer
+        self._lk_hello_sent: set[str] = set()
+        self._lk_hello_msg: bytes | None = None
+        self._lk_gate_warning = RateLimitedWarning(lease_logger())
+        self._lk_read_digests: dict[str, str] = {}  # only with fault points (kvdigest.py)
+        self._lk_protocol_engines: set[str] = set()
+
+    def _lk_protect(self, marked: Any) -> None:
+        """Requests P marked with ``leasekit_protocol``: ``[D request id, P engine id]`` pairs from the
+        scheduler's metadata. That P engine speaks the protocol: D may say hello to it."""
+        for request_id, engine_id in marked or ():
+            self._lk_gate.protect(request_id)
+            if engine_id:
+                self._lk_protocol_engines.add(str(engine_id))
+
+    def _lk_hello_engines(self, heartbeat_by_engine: Any) -> None:
+        """Before heartbeating a P engine known to speak the protocol (handshake done), say hello to its
+        agents, so that P acknowledges these heartbeats (the gate's fast path)."""
+        try:
+            for engine_id in heartbeat_by_engine or ():
+                if engine_id in self._lk_protocol_engines and engine_id in self._remote_agents:
+                    for agent in self._remote_agents[engine_id].values():
+                        self._lk_say_hello(agent)
+        except Exception as exc:  # acks are an optimisation: without them D waits for verdicts
+            self._lk_errors.report("hello", exc)
+
+    def _lk_sequence_heartbeat(self, agent: Any, msg: bytes, started_s: float) -> bytes:
+        """The heartbeat to send to ``agent`` (begun at ``started_s``, ``perf_counter`` seconds): with
+        ``,LK1~<n>`` appended when the agent heard our hello, so that P's ack names this send."""
+        try:
+            name = agent_name(agent)
+            if name not in self._lk_hello_sent:
+                return msg
+            seq = self._lk_gate.heartbeat_sent(name, started_s)
+            return bytes(msg) + b"," + sequence_token(seq).encode()
+        except Exception as exc:  # acks are an optimisation: send the stock heartbeat
+            self._lk_errors.report("heartbeat sequence", exc)
+            return msg
+
+    def _read_blocks(self, *args: Any, **kwargs: Any) -> bool:
+        """Stock ``_read_blocks``; for a protected request, first the hello (once per P agent) and the
+        expectation of that agent's verdict."""
+        request_id = kwargs.get("request_id")
+        if request_id is not None and self._lk_gate.is_protected(request_id):
+            try:
+                spec, engine = kwargs["read_spec"], kwargs["dst_engine_id"]
+                agent = self._remote_agents[engine][(0, spec.remote_rank)]
+                self._lk_say_hello(agent)
+                self._lk_gate.expect(request_id, agent_name(agent), kwargs["remote_request_id"])
+            except Exception as exc:  # the read will wait for a verdict that may not come: timeout, safe
+                self._lk_errors.report("read gate", exc)
+        return super()._read_blocks(*args, **kwargs)
+
+    def _lk_say_hello(self, agent: str | bytes) -> None:
+        if agent_name(agent) in self._lk_hello_sent:
+            return
+        if self._lk_hello_msg is None:
+            self._lk_hello_msg = encode_hello(partial_agent_metadata(self.nixl_wrapper))
+        self.nixl_wrapper.send_notif(agent, notif_msg=self._lk_hello_msg)
+        self._lk_hello_sent.add(agent_name(agent))
+        lease_logger().info("LeaseKit: said hello to P agent %s (%d bytes): reads from it wait for its verdicts",
+                            agent_name(agent), len(self._lk_hello_msg))
+
+    def _pop_done_transfers(self, transfers: dict[str, list[int]]) -> tuple[set[str], set[str]]:
+        """Stock polling; finished protected reads are held back, and held reads P answered (or that
+        timed out) are reported done (verified) or failed (reaped, timeout)."""
+        done, failed = super()._pop_done_transfers(transfers)
+        if transfers is not self._recving_transfers:
+            return done, failed
+        now = time.perf_counter()
+        decided: list[GateResult] = []
+        for request_id in list(done):
+            if request_id in failed or request_id in self._recv_failures:
+                continue  # stock failure handling (vLLM invalidates the blocks)
+            try:
+                if self._lk_faults.enabled:
+                    self._lk_digest_read(request_id)
+                if self._lk_gate.hold(request_id, now):
+                    done.discard(request_id)
+                    self._send_pending_recv_notifs(request_id)  # mixed-memory reads notify P only now
+                else:
+                    meta = self._recving_metadata.get(request_id)
+                    remote = getattr(getattr(meta, "remote", None), "request_id", "")
+                    decided.append(GateResult(request_id, remote, OUTCOME_UNPROTECTED, 0.0))
+            except Exception as exc:  # fail closed: a read we could not gate is not served
+                self._lk_errors.report("read gate", exc)
+                done.discard(request_id)
+                failed.add(request_id)
+        try:
+            for result in self._lk_gate.resolve(now):
+                if result.outcome == OUTCOME_VERIFIED:
+                    done.add(result.request_id)
+                else:
+                    failed.add(result.request_id)
+                decided.append(result)
+            self._lk_gate.sweep(set(self._recving_metadata), now)
+            for result in decided:
+                self._lk_record_read(result, now)
+        except Exception as exc:
+            self._lk_errors.report("read gate", exc)
+        return done, failed
+
+    def _lk_digest_read(self, request_id: str) -> None:
+        meta = self._recving_metadata.get(request_id)
+        groups = getattr(meta, "local_block_ids", None)
+        if groups is not None and len(groups) and len(groups[0]):
+            self._lk_read_digests[request_id] = kv_digest(self, [int(b) for b in groups[0]]) or ""
+
+    def _lk_record_read(self, result: GateResult, now: float) -> None:
+        self._lk_stats.read(result.outcome, result.wait_s)
+        digest = self._lk_read_digests.pop(result.request_id, None)
+        start_ns = time.time_ns() - int(result.wait_s * 1e9)
+        parent = self._lk_hb.context_of(result.remote_request_id)  # the request's trace, if D tracks it
+        span = self._lk_gate_tracer.start_span(sc.READ_SPAN_NAME, context=parent, start_time=start_ns, attributes={
+            sc.REQUEST_ID: result.remote_request_id,
+            sc.DECODE_REQUEST_ID: result.request_id,
+            sc.TP_RANK: self.tp_rank,
+            sc.READ_OUTCOME: result.outcome,
+            sc.READ_VERDICT_WAIT_S: result.wait_s,
+            sc.READ_AGENTS: list(result.agents),
+            sc.EV_MONOTONIC_S: now,
+            **({KV_DIGEST_ATTR: digest} if digest is not None else {}),
+        })
+        span.end()
+        if result.outcome in sc.READ_DISCARDED_OUTCOMES:
+            self._lk_gate_warning.warn(
+                "LeaseKit: discarded the KV read of request %s (P request %s): %s after %.3f s; vLLM's "
+                "kv_load_failure_policy applies (recompute, or the request fails)",
+                result.request_id, result.remote_request_id,
+                "P had already ended the lease" if result.outcome == "reaped" else "no verdict from P in time",
+                result.wait_s, event="read_discarded", request_id=result.remote_request_id, outcome=result.outcome,
+            )

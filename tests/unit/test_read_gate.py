@@ -1,0 +1,243 @@
+"""Fail-closed protocol, pure parts: the LK1 codec, D's read gate, P's verdicts (over a stand-in of
+vLLM's worker state) and the fail-closed check with discarded and recomputed reads."""
+
+import time
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from leasekit.chaos import FAIL, PASS, UNKNOWN
+from leasekit.chaos.checks import check_fail_closed
+from leasekit.lease.codec import (
+    REASON_BAD_PROTOCOL,
+    Completion,
+    DecodeError,
+    Hello,
+    Verdict,
+    decode_notification,
+    encode_ack,
+    encode_completion,
+    encode_hello,
+    encode_verdict,
+    sequence_token,
+    split_sequence_token,
+)
+from leasekit.lease.readgate import (
+    OUTCOME_REAPED,
+    OUTCOME_TIMEOUT,
+    OUTCOME_VERIFIED,
+    ReadGate,
+    agent_name,
+)
+from tests.unit.test_checks import lease
+from tests.unit.test_p_notifications import TIMING, Worker
+
+E = TIMING.extension_s
+
+_ID = st.text(st.characters(blacklist_categories=("Cs", "Cc")), min_size=1, max_size=64)
+
+
+@given(_ID, st.booleans())
+def test_verdict_round_trips_for_any_id(req_id, ok):
+    assert decode_notification(encode_verdict(req_id, ok)) == Verdict(req_id, ok)
+
+
+@given(st.binary(min_size=1, max_size=600))
+def test_hello_round_trips_any_metadata(metadata):
+    assert decode_notification(encode_hello(metadata)) == Hello(metadata)
+
+
+@pytest.mark.parametrize("raw", [b"LK1:", b"LK1:V:maybe:r", b"LK1:V:ok", b"LK1:HELLO:!!!", b"LK1:HELLO:", b"LK1:X:1"])
+def test_malformed_protocol_messages_are_bad_protocol(raw):
+    result = decode_notification(raw)
+    assert isinstance(result, DecodeError) and result.reason == REASON_BAD_PROTOCOL
+
+
+def test_stock_messages_are_unchanged_by_the_protocol():
+    assert decode_notification(encode_completion("cmpl-1:x", 2)) == Completion("cmpl-1:x", 2)
+
+
+def test_agent_names_from_vllm_bytes_and_nixl_str_agree():
+    assert agent_name(b"abc") == agent_name("abc") == "abc"
+
+
+def gate(timeout_s=6.0):
+    g = ReadGate(timeout_s, clock=lambda: 0.0)
+    g.protect("d1", now=0.0)
+    g.expect("d1", "p0", "P1")
+    return g
+
+
+def test_unprotected_reads_are_not_held():
+    g = ReadGate(6.0)
+    g.expect("d1", "p0", "P1")
+    assert not g.hold("d1", now=0.0)
+
+
+def test_a_protected_read_waits_for_every_agent_that_served_it():
+    g = gate()
+    g.expect("d1", "p1", "P1")
+    assert g.hold("d1", now=1.0)
+    g.verdict("p0", "P1", True)
+    assert g.resolve(now=1.1) == []
+    g.verdict("p1", "P1", True)
+    (result,) = g.resolve(now=1.2)
+    assert (result.outcome, result.request_id, result.remote_request_id) == (OUTCOME_VERIFIED, "d1", "P1")
+    assert result.wait_s == pytest.approx(0.2)
+    assert g.held == 0 and not g.is_protected("d1")
+
+
+def test_one_reaped_answer_discards_the_read_and_cannot_be_overwritten():
+    g = gate()
+    g.verdict("p0", "P1", False)  # may arrive before D polls the transfer
+    g.verdict("p0", "P1", True)
+    assert g.hold("d1", now=1.0)
+    (result,) = g.resolve(now=1.0)
+    assert result.outcome == OUTCOME_REAPED
+
+
+def test_no_answer_times_out_and_a_verdict_from_another_agent_does_not_count():
+    g = gate(timeout_s=2.0)
+    assert g.hold("d1", now=1.0)
+    g.verdict("forger", "P1", True)
+    assert g.resolve(now=2.9) == []
+    (result,) = g.resolve(now=3.0)
+    assert result.outcome == OUTCOME_TIMEOUT and result.wait_s == pytest.approx(2.0)
+
+
+def test_sweep_forgets_old_unheld_requests_only():
+    g = gate()
+    g.protect("d2", now=0.0)
+    g.hold("d1", now=0.0)
+    g.sweep(live=set(), now=700.0)
+    assert g.is_protected("d1") and not g.is_protected("d2")
+
+
+def test_timeout_must_be_positive():
+    with pytest.raises(ValueError, match="timeout_s"):
+        ReadGate(0)
+
+
+class NixlStandIn:
+    def __init__(self, name="d0"):
+        self.batches, self.sent, self.name = [], [], name
+
+    def get_new_notifs(self):
+        return self.batches.pop(0) if self.batches else {}
+
+    def add_remote_agent(self, metadata):
+        return self.name.encode()  # NIXL returns bytes
+
+    def send_notif(self, agent, notif_msg):
+        self.sent.append((agent, notif_msg))
+
+
+def p_worker(name="d0"):
+    w = Worker()
+    w.nixl_wrapper = NixlStandIn(name)
+    return w
+
+
+def test_p_answers_each_completion_after_hello_live_ok_late_reaped():
+    w = p_worker()
+    w.grant("live", 0.0)
+    w.step({"d0": [encode_hello(b"md"), b"live:1", b"gone:1"]})
+    assert w.nixl_wrapper.sent == [("d0", encode_verdict("live", True)), ("d0", encode_verdict("gone", False))]
+
+
+def test_p_keeps_verdicts_until_the_hello_arrives():
+    w = p_worker()
+    w.grant("r", 0.0)
+    w.step({"d0": [b"r:1"]})
+    assert w.nixl_wrapper.sent == []
+    w.step({"d0": [encode_hello(b"md")]})
+    assert w.nixl_wrapper.sent == [("d0", encode_verdict("r", True))]
+
+
+def test_p_refuses_a_hello_naming_another_agent():
+    w = p_worker(name="someone-else")
+    w.grant("r", 0.0)
+    w.step({"d0": [encode_hello(b"md"), b"r:1"]})
+    assert w.nixl_wrapper.sent == []
+    assert w.drops() == {"bad_hello": 1}
+
+
+def test_a_verdict_reaching_a_worker_goes_to_its_read_gate():
+    w = p_worker()
+    w._lk_gate = gate()
+    w._lk_gate.hold("d1", now=0.0)
+    w.step({"p0": [encode_verdict("P1", False)]})
+    assert w._lk_gate.resolve(now=0.0)[0].outcome == OUTCOME_REAPED
+
+
+def test_fail_closed_accepts_a_discarded_read_only_with_matching_tokens():
+    expired = [lease("a", end=6.0), lease("b", end=6.0), lease("c", end=6.0), lease("d", end=6.0)]
+    served = {rid: 130.0 for rid in "abcd"}  # all after expiry (grant 100 + 6)
+    result = check_fail_closed(expired, served, {}, {"a": "timeout", "b": "reaped", "c": "timeout"},
+                               {"a": True, "b": False, "c": None})
+    verdicts = {row.request_id: row.verdict for row in result.rows}
+    assert verdicts == {"a": PASS, "b": FAIL, "c": UNKNOWN, "d": FAIL}
+    assert result.verdict == FAIL
+    ok = check_fail_closed(expired[:1], served, {}, {"a": "reaped"}, {"a": True})
+    assert ok.verdict == PASS and "1 recomputed" in ok.summary
+
+
+def test_acknowledged_heartbeats_let_a_read_through_without_waiting():
+    g = gate()
+    seq = g.heartbeat_sent("p0", now=1.0)
+    g.ack("p0", seq, 4.0, ["P1"])  # held until at least 1 + 4 = 5 on D's clock
+    assert g.hold("d1", now=4.9)
+    (result,) = g.resolve(now=4.9)
+    assert result.outcome == OUTCOME_VERIFIED and result.wait_s == 0.0
+    g.verdict("p0", "P1", True)  # P's verdict still arrives; it is not kept
+    assert g._verdicts == {}
+
+
+def test_a_read_seen_after_the_horizon_waits_for_the_verdict():
+    g = gate()
+    g.ack("p0", g.heartbeat_sent("p0", now=1.0), 4.0, ["P1"])
+    assert g.hold("d1", now=5.1)
+    assert g.resolve(now=5.1) == []
+
+
+def test_acks_match_their_own_send_whatever_was_lost():
+    g = gate()
+    g.heartbeat_sent("p0", now=1.0)  # lost: never acknowledged
+    g.ack("p0", g.heartbeat_sent("p0", now=2.0), 4.0, ["P1"])  # horizon 6.0
+    assert g.hold("d1", now=5.5)
+    assert [r.outcome for r in g.resolve(now=5.5)] == [OUTCOME_VERIFIED]
+
+
+def test_unknown_or_repeated_acks_are_ignored():
+    g = gate()
+    seq = g.heartbeat_sent("p0", now=1.0)
+    g.ack("p0", seq + 7, 100.0, ["P1"])  # no such send
+    g.ack("forger", seq, 100.0, ["P1"])  # not that agent's send
+    assert g.hold("d1", now=10.0)
+    assert g.resolve(now=10.0) == []
+    g.ack("p0", seq, 4.0, ["P1"])
+    g.ack("p0", seq, 100.0, ["P1"])  # a replay: the send was consumed
+    assert g.resolve(now=10.0) == []
+
+
+@given(st.integers(0, 10**9), st.floats(0, 1e5), st.lists(_ID.filter(lambda i: "," not in i), max_size=5))
+def test_ack_round_trips(seq, remaining_s, ids):
+    ack = decode_notification(encode_ack(seq, remaining_s, ids))
+    assert (ack.seq, ack.req_ids) == (seq, tuple(ids)) and ack.remaining_s <= remaining_s
+
+
+def test_sequence_token_is_split_off_a_heartbeat():
+    assert split_sequence_token(["a", sequence_token(12), "b"]) == (12, ("a", "b"))
+    assert split_sequence_token(["a", "LK1~x"]) == (None, ("a", "LK1~x"))
+
+
+def test_p_acknowledges_sequenced_heartbeats_of_protocol_agents_only():
+    w = p_worker()
+    w.grant("r", time.perf_counter())  # the stand-in's clock is perf_counter, as vLLM's
+    w.step({"d0": [b"HB:r,unknown,LK1~5"]})
+    assert w.nixl_wrapper.sent == []  # no hello yet: nothing new on the wire
+    w.step({"d0": [encode_hello(b"md"), b"HB:r,unknown,LK1~6", b"HB:unknown,LK1~7", b"HB:r"]})
+    acks = [decode_notification(msg) for agent, msg in w.nixl_wrapper.sent]
+    assert [(a.seq, a.req_ids) for a in acks] == [(6, ("r",)), (7, ())]
+    assert E - 0.1 < acks[0].remaining_s <= TIMING.lease_duration_s
