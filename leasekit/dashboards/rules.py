@@ -99,7 +99,7 @@ def recording_rules() -> list[dict[str, str]]:
         (LATE_BY_REMOTE, sum_new_or_increased(c(m.LATE_COMPLETIONS), IA, "5m")),
         (SEND_FAILURES_BY_REMOTE, sum_new_or_increased(c(m.HEARTBEAT_SEND_FAILURES), IE, "5m")),
         (DISCARDED_BY_OUTCOME, sum_new_or_increased(c(m.READS), f"{I}, outcome", "5m",
-                                                    'outcome=~"reaped|timeout"')),
+                                                    'outcome=~"reaped|timeout|ungated"')),
         (GAP_P50, quantile(0.5, m.HEARTBEAT_GAP.name + "_bucket", I, "5m")),
         (GAP_P99, quantile(0.99, m.HEARTBEAT_GAP.name + "_bucket", I, "5m")),
         (LAG_P99, quantile(0.99, m.RECLAIM_LAG.name + "_bucket", I, "5m")),
@@ -168,7 +168,7 @@ def alerting_rules(config: RulesConfig) -> list[dict[str, object]]:
                f"D server {inst} discarded late KV reads ({{{{ $labels.outcome }}}})",
                f"D server {inst} discarded {{{{ $value }}}} read(s) of P's KV blocks in the last 5 minutes with "
                "outcome {{ $labels.outcome }} (reaped: P had already ended the lease; timeout: no verdict from P "
-               "in time). No wrong tokens were served: vLLM's kv_load_failure_policy recomputed or failed those "
+               "in time; ungated: the read could not be checked). No wrong tokens were served: vLLM's kv_load_failure_policy recomputed or failed those "
                "requests. Leases are expiring under D's queued or stalled requests (docs/fail-closed.md)."),
     ]
 

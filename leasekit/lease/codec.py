@@ -16,9 +16,10 @@ everything else: it never raises.
 
 LeaseKit peers speak a small protocol on top (``LK1:``; docs/fail-closed.md), used only between peers
 that discovered each other: P marks the ``kv_transfer_params`` it returns with
-``"leasekit_protocol": 1``; a LeaseKit D that sees the marker sends P ``LK1:HELLO:<base64 NIXL partial
-agent metadata>`` (connection info only, so that P can notify it back) and then waits, per read, for P's
-``LK1:V:ok:<id>`` or ``LK1:V:reaped:<id>``. A stock peer never receives an ``LK1:`` message.
+``"leasekit_protocol": 1``; a LeaseKit D that sees the marker sends P the heartbeat ``HB:LK1~H~<base64
+NIXL partial agent metadata>`` (connection info only, so that P can notify it back; a stock P ignores
+heartbeat ids it does not hold, so even a wrongly marked request cannot crash it) and then waits, per
+read, for P's ``LK1:V:ok:<id>`` or ``LK1:V:reaped:<id>``. A stock D never receives an ``LK1:`` message.
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ PROTOCOL_PARAM = "leasekit_protocol"
 """Key LeaseKit P adds to the ``kv_transfer_params`` it returns (value :data:`PROTOCOL_VERSION`); stock D
 ignores unknown keys (vllm 0.32.0 ``nixl/pull_scheduler.py`` reads with ``params.get``)."""
 PROTOCOL_VERSION = 1
-HELLO_PREFIX = PROTOCOL_PREFIX + "HELLO:"
+HELLO_TOKEN_PREFIX = "LK1~H~"
+"""A heartbeat id ``LK1~H~<base64 NIXL partial agent metadata>`` is D's hello (base64 holds no ``,``)."""
 VERDICT_PREFIX = PROTOCOL_PREFIX + "V:"
 ACK_PREFIX = PROTOCOL_PREFIX + "A:"
 SEQUENCE_TOKEN_PREFIX = "LK1~"
@@ -119,14 +121,6 @@ class DecodeError:
 
 
 @dataclass(frozen=True)
-class Hello:
-    """``LK1:HELLO:<base64>``: a LeaseKit D worker's NIXL partial agent metadata (connection info only),
-    so that P can add the agent and send it verdicts. ``agent_metadata``: the decoded bytes."""
-
-    agent_metadata: bytes
-
-
-@dataclass(frozen=True)
 class Verdict:
     """``LK1:V:ok|reaped:<id>``: P's answer to one read completion of ``req_id`` (P's request id).
 
@@ -141,7 +135,8 @@ class Verdict:
 class Ack:
     """``LK1:A:<seq>:<remaining_ms>:<id>,<id>...``: P handled D's heartbeat number ``seq`` (the
     ``LK1~<seq>`` token D added to it) and every listed lease (P's request ids; possibly none) was live
-    with at least ``remaining_s`` seconds to its deadline, counted from before P read the heartbeat.
+    with at least ``remaining_s`` seconds to its deadline, counted from P's clock read after the
+    heartbeat had arrived (after ``get_new_notifs`` returned), before handling it.
     D, which began sending that heartbeat at ``s`` on its own clock, then knows each lease is held until
     at least ``s + remaining_s`` (no cross-host clock comparison)."""
 
@@ -150,12 +145,20 @@ class Ack:
     req_ids: tuple[str, ...]
 
 
-Notification = Heartbeat | Completion | Hello | Verdict | Ack | DecodeError
+Notification = Heartbeat | Completion | Verdict | Ack | DecodeError
 
 
 def encode_hello(agent_metadata: bytes) -> bytes:
-    """``LK1:HELLO:`` + base64 of ``agent_metadata`` (NIXL ``get_partial_agent_metadata`` bytes)."""
-    return HELLO_PREFIX.encode() + base64.b64encode(bytes(agent_metadata))
+    """The hello heartbeat ``HB:LK1~H~<base64 agent_metadata>`` (NIXL ``get_partial_agent_metadata``
+    bytes, ~340 with UCX: well under the 1024-char heartbeat id limit).
+
+    Raises:
+        ValueError: the encoded id would exceed :data:`MAX_HEARTBEAT_ID_CHARS`.
+    """
+    token = HELLO_TOKEN_PREFIX + base64.b64encode(bytes(agent_metadata)).decode()
+    if len(token) > MAX_HEARTBEAT_ID_CHARS:
+        raise ValueError(f"agent metadata of {len(agent_metadata)} bytes is too large for a hello heartbeat id")
+    return (HEARTBEAT_PREFIX + token).encode()
 
 
 def encode_verdict(req_id: str, ok: bool) -> bytes:
@@ -173,27 +176,26 @@ def sequence_token(seq: int) -> str:
     return f"{SEQUENCE_TOKEN_PREFIX}{int(seq)}"
 
 
-def split_sequence_token(req_ids: Iterable[str]) -> tuple[int | None, tuple[str, ...]]:
-    """``(seq, the other ids)`` of a heartbeat's ids; ``seq`` is None without a valid ``LK1~<n>``."""
-    seq, rest = None, []
+def split_protocol_ids(req_ids: Iterable[str]) -> tuple[int | None, bytes | None, tuple[str, ...]]:
+    """``(seq, hello metadata, the other ids)`` of a heartbeat's ids: ``seq`` from a valid ``LK1~<n>``,
+    the hello's decoded metadata from a valid ``LK1~H~<base64>`` (None when absent or not base64)."""
+    seq, hello, rest = None, None, []
     for req_id in req_ids:
+        if req_id.startswith(HELLO_TOKEN_PREFIX):
+            try:
+                hello = base64.b64decode(req_id[len(HELLO_TOKEN_PREFIX):], validate=True) or None
+            except (binascii.Error, ValueError):
+                rest.append(req_id)
+            continue
         tail = req_id[len(SEQUENCE_TOKEN_PREFIX):] if req_id.startswith(SEQUENCE_TOKEN_PREFIX) else None
         if tail is not None and _DIGITS.fullmatch(tail):
             seq = int(tail)
         else:
             rest.append(req_id)
-    return seq, tuple(rest)
+    return seq, hello, tuple(rest)
 
 
 def _decode_protocol(text: str) -> Notification:
-    if text.startswith(HELLO_PREFIX):
-        try:
-            metadata = base64.b64decode(text[len(HELLO_PREFIX):], validate=True)
-        except (binascii.Error, ValueError) as exc:
-            return DecodeError(REASON_BAD_PROTOCOL, f"hello: agent metadata is not base64 ({exc})")
-        if not metadata:
-            return DecodeError(REASON_BAD_PROTOCOL, "hello: empty agent metadata")
-        return Hello(metadata)
     if text.startswith(VERDICT_PREFIX):
         verdict, sep, req_id = text[len(VERDICT_PREFIX):].partition(":")
         if not sep or verdict not in (VERDICT_OK, VERDICT_REAPED):
@@ -273,9 +275,9 @@ def decode_notification(msg: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES) -> No
         max_bytes: size ceiling in bytes.
 
     Returns:
-        :class:`Heartbeat`, :class:`Completion`, :class:`Hello`, :class:`Verdict` (after an ``LK1:``
-        prefix: a malformed one is ``bad_protocol``) or :class:`DecodeError` (``not_bytes`` for input
-        that is not bytes-like).
+        :class:`Heartbeat` (D's hello and sequence token are heartbeat ids: :func:`split_protocol_ids`),
+        :class:`Completion`, :class:`Verdict` or :class:`Ack` (after an ``LK1:`` prefix: a malformed one
+        is ``bad_protocol``) or :class:`DecodeError` (``not_bytes`` for input that is not bytes-like).
     """
     if isinstance(msg, memoryview):
         msg = msg.tobytes()
@@ -316,8 +318,8 @@ class NotificationCounters:
 
     ``as_dict()`` shape: ``{"heartbeat": int, "completion": int, "error": {reason: int}}`` with every
     reason of :data:`DECODE_ERROR_REASONS` present (zeros included), plus ``"heartbeat_ids": int``,
-    the total number of request ids carried by heartbeats, and ``"protocol": int``, LeaseKit hellos
-    and verdicts.
+    the total number of request ids carried by heartbeats, and ``"protocol": int``, LeaseKit verdicts
+    and acknowledgements.
     """
 
     def __init__(self) -> None:
@@ -338,7 +340,7 @@ class NotificationCounters:
             self.heartbeat_ids += len(result.req_ids)
         elif isinstance(result, Completion):
             self.completions += 1
-        elif isinstance(result, (Hello, Verdict, Ack)):
+        elif isinstance(result, (Verdict, Ack)):
             self.protocol += 1
         elif isinstance(result, DecodeError):
             self.errors[result.reason] = self.errors.get(result.reason, 0) + 1

@@ -14,12 +14,20 @@ compared across hosts: the only time D measures is its own wait.
 
 Outcomes (a closed set, fit for a metric label): ``verified`` (every P agent said ok), ``reaped``
 (P said the lease had ended: the read was discarded), ``timeout`` (no verdict in time: discarded),
-``unprotected`` (P did not mark the request with ``leasekit_protocol``: a stock P; the read is used as
-stock vLLM does, and only counted).
+``ungated`` (a protected read the gate could not check: its hook failed, or another read of the same
+P request by this worker is undecided or ended within ``timeout_s``: discarded), ``unprotected`` (P did
+not mark the request with ``leasekit_protocol``: a stock P; the read is used as stock vLLM does, and only
+counted).
+
+Threat model: verdicts and acknowledgements are trusted as coming from the P agent they name. NIXL's
+UCX backend takes a notification's sender name from the message itself, so a peer that can reach D's
+NIXL endpoint could forge them; the gate bounds what a forged ack can claim (at most ``L``) and starts
+its sequence numbers at a random value, but it is not an authenticated protocol.
 """
 
 from __future__ import annotations
 
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -27,16 +35,21 @@ from typing import Callable
 OUTCOME_VERIFIED = "verified"
 OUTCOME_REAPED = "reaped"
 OUTCOME_TIMEOUT = "timeout"
+OUTCOME_UNGATED = "ungated"
 OUTCOME_UNPROTECTED = "unprotected"
-READ_OUTCOMES = (OUTCOME_VERIFIED, OUTCOME_REAPED, OUTCOME_TIMEOUT, OUTCOME_UNPROTECTED)
+READ_OUTCOMES = (OUTCOME_VERIFIED, OUTCOME_REAPED, OUTCOME_TIMEOUT, OUTCOME_UNGATED, OUTCOME_UNPROTECTED)
 """Every outcome of :class:`ReadGate` (``leasekit_kv_lease_reads_total{outcome}``)."""
+DISCARDED_OUTCOMES = (OUTCOME_REAPED, OUTCOME_TIMEOUT, OUTCOME_UNGATED)
+"""Outcomes whose read was reported failed to vLLM (``kv_load_failure_policy`` applied)."""
+
+HOLD, USE, FAIL = "hold", "use", "fail"
+"""What :meth:`ReadGate.hold` tells D to do with a finished read."""
 
 MAX_SENT_HEARTBEATS = 256
 """Heartbeat send instants remembered per P agent, awaiting that agent's acknowledgements."""
 
-MAX_EARLY_VERDICTS = 65536
-"""Verdicts kept for reads D has not seen finish yet (P can answer before D's next step polls the
-transfer); the oldest are forgotten beyond this."""
+MAX_KEYS = 65536
+"""Horizons and recently ended reads remembered (the oldest are forgotten beyond this)."""
 
 
 def agent_name(agent: str | bytes) -> str:
@@ -63,6 +76,13 @@ class _Read:
     remote_request_id: str = ""
     agents: set[str] = field(default_factory=set)
     held_since: float | None = None
+    ungated: bool = False
+    verdicts: dict[str, bool] = field(default_factory=dict)  # agent -> ok (a reaped is never overwritten)
+
+
+def _bounded(mapping: dict, limit: int = MAX_KEYS) -> None:
+    while len(mapping) > limit:
+        del mapping[next(iter(mapping))]
 
 
 class ReadGate:
@@ -72,84 +92,117 @@ class ReadGate:
         timeout_s: seconds to wait for P's verdicts after the read finished (> 0); default of the
             connector: the lease duration ``L`` (P's loop handles notifications at least that often
             while it holds leases, or the lease would expire anyway).
+        max_remaining_s: the most an acknowledgement may claim is left on a lease, seconds (D's ``L``:
+            a heartbeat never leaves more than ``max(L, E) = L``); larger claims are cut to it.
         clock: seconds (``time.perf_counter``).
 
     Raises:
-        ValueError: ``timeout_s`` is not > 0.
+        ValueError: ``timeout_s`` or ``max_remaining_s`` is not > 0.
     """
 
-    def __init__(self, timeout_s: float, clock: Callable[[], float] = time.perf_counter):
+    def __init__(self, timeout_s: float, max_remaining_s: float = 3600.0, clock: Callable[[], float] = time.perf_counter):
         if not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s!r}: must be > 0 seconds")
+        if not max_remaining_s > 0:
+            raise ValueError(f"max_remaining_s={max_remaining_s!r}: must be > 0 seconds")
         self.timeout_s = float(timeout_s)
+        self.max_remaining_s = float(max_remaining_s)
         self._clock = clock
         self._reads: dict[str, _Read] = {}
-        self._protected_at: dict[str, float] = {}
-        self._verdicts: dict[tuple[str, str], bool] = {}  # (agent, P request id) -> ok; insertion-ordered
+        self._protected: set[str] = set()
+        self._owner: dict[tuple[str, str], str] = {}  # (agent, P request id) -> the D request reading it
+        self._ended: dict[tuple[str, str], float] = {}  # (agent, P request id) -> when its read ended
         self._sent: dict[str, dict[int, float]] = {}  # P agent -> {heartbeat seq: send instant}, unacked
-        self._seq = 0
+        self._seq = secrets.randbits(48)  # not guessable by a peer that forges acks
         self._horizon: dict[tuple[str, str], float] = {}  # (agent, P request id) -> held at least until
-        self._decided: dict[tuple[str, str], None] = {}  # recently decided reads: late verdicts ignored
 
-    def protect(self, request_id: str, now: float | None = None) -> None:
-        """P marked ``request_id`` (D's id) with ``leasekit_protocol``: its read will wait for verdicts."""
-        self._protected_at.setdefault(request_id, self._clock() if now is None else now)
+    def protect(self, request_id: str) -> None:
+        """P marked ``request_id`` (D's id) with ``leasekit_protocol``: its read will wait for verdicts.
+        It stays protected until decided or :meth:`forget` (the request finished on D)."""
+        self._protected.add(request_id)
 
     def is_protected(self, request_id: str) -> bool:
         """Whether ``request_id`` is protected (see :meth:`protect`)."""
-        return request_id in self._protected_at
+        return request_id in self._protected
 
-    def expect(self, request_id: str, agent: str, remote_request_id: str) -> None:
-        """D posted a read of ``remote_request_id`` from P agent ``agent``: that agent must answer."""
+    def expect(self, request_id: str, agent: str, remote_request_id: str, now: float | None = None) -> None:
+        """D is about to post a read of ``remote_request_id`` from P agent ``agent``: that agent must
+        answer. A second undecided read of the same P request from the same agent, or one within
+        ``timeout_s`` after such a read ended (a stale verdict may still arrive), is ``ungated``."""
+        now = self._clock() if now is None else now
         read = self._reads.setdefault(request_id, _Read())
         read.remote_request_id = remote_request_id
         read.agents.add(agent)
+        key = (agent, remote_request_id)
+        owner = self._owner.get(key)
+        ended = self._ended.get(key)
+        if (owner is not None and owner != request_id) or (ended is not None and now - ended < self.timeout_s):
+            read.ungated = True
+            return
+        self._owner[key] = request_id
 
-    def hold(self, request_id: str, now: float | None = None) -> bool:
-        """The read of ``request_id`` finished on D. True: hold it back for verdicts (protected, with
-        expected agents); False: use it now (not protected)."""
-        read = self._reads.get(request_id)
-        if request_id not in self._protected_at or read is None or not read.agents:
-            return False
+    def finish(self, request_id: str, now: float | None = None) -> None:
+        """``request_id`` finished on D (served, aborted or failed): its state is dropped. A finished
+        request produces no more tokens, so a read of it still in flight needs no gate (a full
+        prefix-cache hit, which vLLM may never report as received, would otherwise stay here)."""
+        self.forget(request_id, now)
+
+    def ungate_all(self) -> None:
+        """Every protected request's read is ``ungated`` (the hook could not tell which read it saw)."""
+        for request_id in self._protected:
+            self.ungate(request_id)
+
+    def ungate(self, request_id: str) -> None:
+        """The read of ``request_id`` could not be gated (a hook failed): it will be discarded."""
+        self._reads.setdefault(request_id, _Read()).ungated = True
+
+    def hold(self, request_id: str, now: float | None = None) -> str:
+        """The read of ``request_id`` finished on D: :data:`USE` it now (not protected), :data:`HOLD` it
+        for verdicts, or :data:`FAIL` it (protected, but no P agent is expected to answer: decided
+        ``ungated`` by the next :meth:`resolve`)."""
+        if request_id not in self._protected:
+            return USE
+        read = self._reads.setdefault(request_id, _Read())
+        if not read.agents:
+            read.ungated = True
         if read.held_since is None:
             read.held_since = self._clock() if now is None else now
-        return True
+        return FAIL if read.ungated else HOLD
 
     def heartbeat_sent(self, agent: str, now: float | None = None) -> int:
         """D is about to send a heartbeat to P agent ``agent``; returns its sequence number (sent as the
-        ``LK1~<n>`` token, echoed in P's acknowledgement). ``now``: when the send begins."""
+        ``LK1~<n>`` token, echoed in P's acknowledgement). ``now``: when the send begins, seconds."""
         self._seq += 1
         sent = self._sent.setdefault(agent, {})
         sent[self._seq] = self._clock() if now is None else now
-        while len(sent) > MAX_SENT_HEARTBEATS:
-            del sent[next(iter(sent))]  # never acknowledged (lost): forgetting it loses nothing
+        _bounded(sent, MAX_SENT_HEARTBEATS)  # never acknowledged (lost): forgetting it loses nothing
         return self._seq
 
     def ack(self, agent: str, seq: int, remaining_s: float, remote_request_ids) -> None:
-        """P acknowledged heartbeat ``seq`` of ``agent``: each lease was live with ``remaining_s`` to go.
+        """P acknowledged heartbeat ``seq`` of ``agent``: each lease was live with ``remaining_s``
+        seconds to go (cut to ``max_remaining_s``).
 
         Matched by sequence number to the instant D began that send (no later than P read it), so the
         horizon ``send + remaining_s`` is never later than P's deadline. An ack for a send D does not
-        know (forged, or forgotten) is ignored."""
+        know (forged, replayed, or forgotten) is ignored."""
         started = self._sent.get(agent, {}).pop(seq, None)
         if started is None:
             return
-        horizon = started + float(remaining_s)
+        horizon = started + min(float(remaining_s), self.max_remaining_s)
         for rid in remote_request_ids:
             key = (agent, rid)
             if horizon > self._horizon.get(key, float("-inf")):
                 self._horizon[key] = horizon
-        while len(self._horizon) > MAX_EARLY_VERDICTS:
-            del self._horizon[next(iter(self._horizon))]
+        _bounded(self._horizon)
 
     def verdict(self, agent: str, remote_request_id: str, ok: bool) -> None:
-        """P agent ``agent`` answered for ``remote_request_id``. A reaped answer is never overwritten."""
-        key = (agent, remote_request_id)
-        if key in self._decided:
-            return  # decided already (fast path): P's verdict still comes, and is not kept
-        self._verdicts[key] = self._verdicts.get(key, True) and ok
-        while len(self._verdicts) > MAX_EARLY_VERDICTS:
-            del self._verdicts[next(iter(self._verdicts))]
+        """P agent ``agent`` answered for ``remote_request_id``. Kept only for the read that owns that
+        (agent, P request) now; a reaped answer is never overwritten."""
+        owner = self._owner.get((agent, remote_request_id))
+        read = self._reads.get(owner) if owner is not None else None
+        if read is None or read.ungated:
+            return
+        read.verdicts[agent] = read.verdicts.get(agent, True) and ok
 
     def resolve(self, now: float | None = None) -> list[GateResult]:
         """Decide every held read that can be decided now (each is forgotten once decided)."""
@@ -158,10 +211,12 @@ class ReadGate:
         for request_id, read in list(self._reads.items()):
             if read.held_since is None:
                 continue
-            answers = [self._verdicts.get((agent, read.remote_request_id)) for agent in read.agents]
+            answers = [read.verdicts.get(agent) for agent in read.agents]
             covered = all(self._horizon.get((agent, read.remote_request_id), float("-inf")) >= read.held_since
                           for agent in read.agents)
-            if any(answer is False for answer in answers):
+            if read.ungated:
+                outcome = OUTCOME_UNGATED
+            elif any(answer is False for answer in answers):
                 outcome = OUTCOME_REAPED
             elif covered or all(answer is True for answer in answers):
                 outcome = OUTCOME_VERIFIED
@@ -171,31 +226,24 @@ class ReadGate:
                 continue
             decided.append(GateResult(request_id, read.remote_request_id, outcome, max(0.0, now - read.held_since),
                                       tuple(sorted(read.agents))))
-            self.forget(request_id)
+            self.forget(request_id, now)
         return decided
 
-    def forget(self, request_id: str) -> None:
-        """Drop everything about ``request_id`` (decided, aborted or failed by vLLM)."""
-        read = self._reads.pop(request_id, None)
-        self._protected_at.pop(request_id, None)
-        if read is not None:
-            for agent in read.agents:
-                self._verdicts.pop((agent, read.remote_request_id), None)
-                self._horizon.pop((agent, read.remote_request_id), None)
-                self._decided[(agent, read.remote_request_id)] = None
-            while len(self._decided) > MAX_SENT_HEARTBEATS * 16:
-                del self._decided[next(iter(self._decided))]
-
-    def sweep(self, live: set[str], now: float | None = None, max_age_s: float = 600.0) -> None:
-        """Forget requests not in ``live`` (D's requests still receiving) that are not held, once older
-        than ``max_age_s`` seconds (a protected request may wait a while for its handshake)."""
+    def forget(self, request_id: str, now: float | None = None) -> None:
+        """Drop everything about ``request_id`` (decided, or finished on D: aborted, failed). Its
+        (agent, P request) keys are remembered as ended for ``timeout_s``."""
         now = self._clock() if now is None else now
-        for request_id, since in list(self._protected_at.items()):
-            read = self._reads.get(request_id)
-            if request_id in live or (read is not None and read.held_since is not None):
-                continue
-            if now - since > max_age_s:
-                self.forget(request_id)
+        read = self._reads.pop(request_id, None)
+        self._protected.discard(request_id)
+        if read is None:
+            return
+        for agent in read.agents:
+            key = (agent, read.remote_request_id)
+            if self._owner.get(key) == request_id:
+                del self._owner[key]
+                self._horizon.pop(key, None)
+                self._ended[key] = now
+        _bounded(self._ended)
 
     @property
     def held(self) -> int:

@@ -288,10 +288,11 @@ def verdict(summary: dict[str, Any], *, window: str = "since start") -> tuple[st
         degraded.append(f"{c['heartbeat_send_failures']} heartbeat send failure(s) {window} (by "
                         f"{remote_label(m.HEARTBEAT_SEND_FAILURES)}: {by})")
     reads = b.get("reads_by_outcome", {})
-    discarded = sum(reads.get(outcome, 0) for outcome in ("reaped", "timeout"))
+    discarded = sum(reads.get(outcome, 0) for outcome in ("reaped", "timeout", "ungated"))
     if discarded > 0:
         degraded.append(f"{_number(discarded)} read(s) of P's KV blocks discarded {window} (reaped="
-                        f"{_number(reads.get('reaped', 0))}, timeout={_number(reads.get('timeout', 0))}): their "
+                        f"{_number(reads.get('reaped', 0))}, timeout={_number(reads.get('timeout', 0))}, ungated="
+                        f"{_number(reads.get('ungated', 0))}): their "
                         "leases had expired or P did not confirm them; vLLM's kv_load_failure_policy recomputed "
                         "or failed those requests, no wrong tokens were served")
     if c.get("handshake_bad_requests", 0) > 0:

@@ -78,8 +78,9 @@ EVENT_UNTRACKED = "untracked"
 # decision (leasekit.lease.readgate): held back for P's verdict, then used or discarded.
 READ_SPAN_NAME = "kv_lease_read"
 """D-side span; ``gen_ai.request.id`` = P's request id, ``leasekit.read_outcome`` = verified | reaped |
-timeout | unprotected (reaped and timeout reads were discarded: vLLM's ``kv_load_failure_policy``)."""
+timeout | ungated | unprotected (reaped, timeout and ungated reads were discarded: vLLM's
+``kv_load_failure_policy``)."""
 READ_OUTCOME = "leasekit.read_outcome"
 READ_VERDICT_WAIT_S = "leasekit.read_verdict_wait_s"
 READ_AGENTS = "leasekit.read_agents"
-READ_DISCARDED_OUTCOMES = ("reaped", "timeout")
+READ_DISCARDED_OUTCOMES = ("reaped", "timeout", "ungated")

@@ -105,6 +105,7 @@ METADATA_TRACE_ATTR = "leasekit_trace_headers"
 METADATA_TRACKED_ATTR = "leasekit_tracked"
 METADATA_UNTRACKED_ATTR = "leasekit_untracked"
 METADATA_PROTECTED_ATTR = "leasekit_protected"
+METADATA_FINISHED_ATTR = "leasekit_finished"
 METADATA_BLOCK_IDS_ATTR = "leasekit_kv_block_ids"
 
 
@@ -126,6 +127,8 @@ class LeaseKitPullScheduler(NixlPullConnectorScheduler):
         self._leasekit_tracked: list[list[Any]] = []
         self._leasekit_untracked: list[str] = []
         self._leasekit_protected: list[list[Any]] = []
+        self._leasekit_finished: list[str] = []
+        self._lk_protected_ids: set[str] = set()
         self._leasekit_block_ids: dict[str, list[int]] = {}  # only with fault points (kvdigest.py)
         self._lk_digests = bool(os.environ.get(FAULT_FILE_ENV))
         self._lk_listener = ListenerHealth()
@@ -163,6 +166,9 @@ class LeaseKitPullScheduler(NixlPullConnectorScheduler):
         """Stock ``request_finished``; records ``sum(len(group))`` blocks for a delayed free (a lease)
         and the request's W3C trace headers, if it had any."""
         delay_free, params = super().request_finished(request, block_ids)
+        if request.request_id in self._lk_protected_ids:  # D: the read gate's state for it ends
+            self._lk_protected_ids.discard(request.request_id)
+            self._leasekit_finished.append(request.request_id)
         if delay_free and isinstance(params, dict) and params.get("do_remote_prefill"):
             params[PROTOCOL_PARAM] = PROTOCOL_VERSION  # D may hold its read for P's verdict (dgate.py)
         if delay_free and request.request_id in self._reqs_need_send:
@@ -181,6 +187,7 @@ class LeaseKitPullScheduler(NixlPullConnectorScheduler):
         params = request.kv_transfer_params
         if params and params.get("do_remote_prefill") and params.get(PROTOCOL_PARAM) == PROTOCOL_VERSION:
             self._leasekit_protected.append([request.request_id, params.get("remote_engine_id")])
+            self._lk_protected_ids.add(request.request_id)
         key = self._heartbeat_req_engine.get(request.request_id)
         if key is not None:
             headers = getattr(request, "trace_headers", None)
@@ -202,9 +209,11 @@ class LeaseKitPullScheduler(NixlPullConnectorScheduler):
         setattr(meta, METADATA_TRACKED_ATTR, self._leasekit_tracked)
         setattr(meta, METADATA_UNTRACKED_ATTR, self._leasekit_untracked)
         setattr(meta, METADATA_PROTECTED_ATTR, self._leasekit_protected)
+        setattr(meta, METADATA_FINISHED_ATTR, self._leasekit_finished)
         setattr(meta, METADATA_BLOCK_IDS_ATTR, self._leasekit_block_ids)
         self._leasekit_blocks, self._leasekit_trace, self._leasekit_block_ids = {}, {}, {}
         self._leasekit_tracked, self._leasekit_untracked, self._leasekit_protected = [], [], []
+        self._leasekit_finished = []
         return meta
 
 
@@ -247,7 +256,8 @@ class LeaseKitPullWorker(DHeartbeats, DReadGating, PNotificationHandling, NixlPu
             observers=(self._lk_stats, LeaseLogObserver()),
         )
         self._lk_init_notifications(max_hold_s, max_bytes)
-        self._lk_init_gate(verdict_timeout(self.kv_transfer_config, timing.lease_duration_s), tracer)
+        self._lk_init_gate(verdict_timeout(self.kv_transfer_config, timing.lease_duration_s),
+                           timing.lease_duration_s, tracer)
         self._lk_hb = HeartbeatSpanRecorder(tracer, engine_id=engine_id, tp_rank=self.tp_rank, kv_role=kv_role)
         self._lk_hb_warning = RateLimitedWarning(lease_logger())
         self._lk_tap = NotificationTap(self.nixl_wrapper, self._lk_heartbeat_sent)
@@ -277,6 +287,7 @@ class LeaseKitPullWorker(DHeartbeats, DReadGating, PNotificationHandling, NixlPu
         if self._lk_faults.enabled:
             self._lk_apply_stall()
         self._lk_protect(getattr(metadata, METADATA_PROTECTED_ATTR, None))
+        self._lk_finished(getattr(metadata, METADATA_FINISHED_ATTR, None))
         super().start_load_kv(metadata)
         tracked = getattr(metadata, METADATA_TRACKED_ATTR, None)
         untracked = getattr(metadata, METADATA_UNTRACKED_ATTR, None)

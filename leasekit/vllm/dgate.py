@@ -25,13 +25,21 @@ import time
 from typing import Any
 
 from leasekit.lease.codec import encode_hello, sequence_token
-from leasekit.lease.readgate import OUTCOME_UNPROTECTED, OUTCOME_VERIFIED, GateResult, ReadGate, agent_name
+from leasekit.lease.readgate import (
+    OUTCOME_UNPROTECTED,
+    OUTCOME_VERIFIED,
+    USE,
+    GateResult,
+    ReadGate,
+    agent_name,
+)
 from leasekit.telemetry import semconv as sc
 from leasekit.telemetry.lease_log import RateLimitedWarning, lease_logger
 from leasekit.vllm.kvdigest import KV_DIGEST_ATTR, kv_digest
 
 VERDICT_TIMEOUT_EXTRA_KEY = "leasekit_verdict_timeout_s"
-VERDICT_TIMEOUT_RANGE_S = (0.05, 600.0)
+VERDICT_TIMEOUT_RANGE_S = (0.05, 86400.0)
+DEFAULT_VERDICT_TIMEOUT_CAP_S = 600.0
 
 
 class ReadGateConfigError(ValueError):
@@ -40,19 +48,19 @@ class ReadGateConfigError(ValueError):
 
 def verdict_timeout(extra_config: Any, lease_duration_s: float) -> float:
     """Seconds D waits for P's verdicts on one read: ``kv_connector_extra_config.leasekit_verdict_timeout_s``,
-    default the lease duration ``L`` (while P holds leases its loop handles notifications at least that
-    often, or they expire anyway).
+    default ``min(L, 600)`` (while P holds leases its loop handles notifications at least every ``L``,
+    or they expire anyway).
 
     Raises:
-        ReadGateConfigError: not a number of seconds in ``[0.05, 600]``.
+        ReadGateConfigError: not a number of seconds in ``[0.05, 86400]``.
     """
     get = getattr(extra_config, "get_from_extra_config", None) or (lambda k, d: extra_config.get(k, d))
-    value = get(VERDICT_TIMEOUT_EXTRA_KEY, float(lease_duration_s))
+    value = get(VERDICT_TIMEOUT_EXTRA_KEY, min(float(lease_duration_s), DEFAULT_VERDICT_TIMEOUT_CAP_S))
     low, high = VERDICT_TIMEOUT_RANGE_S
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
         raise ReadGateConfigError(
             f"kv_connector_extra_config.{VERDICT_TIMEOUT_EXTRA_KEY}={value!r}: must be seconds in [{low}, {high}]; "
-            f"fix: leave it unset (the lease duration, {lease_duration_s} s)"
+            f"fix: leave it unset (min(kv_lease_duration, {DEFAULT_VERDICT_TIMEOUT_CAP_S:g}) s)"
         )
     return float(value)
 
@@ -71,8 +79,8 @@ class DReadGating:
     ``_recving_metadata``, ``_send_pending_recv_notifs``, ``nixl_wrapper`` and LeaseKit's ``_lk_stats``,
     ``_lk_errors``, ``_lk_hb`` (D's heartbeat spans: the read span joins the request's trace)). Call :meth:`_lk_init_gate` in ``__init__``."""
 
-    def _lk_init_gate(self, timeout_s: float, tracer: Any) -> None:
-        self._lk_gate = ReadGate(timeout_s)
+    def _lk_init_gate(self, timeout_s: float, lease_duration_s: float, tracer: Any) -> None:
+        self._lk_gate = ReadGate(timeout_s, max_remaining_s=lease_duration_s)
         self._lk_gate_tracer = tracer
         self._lk_hello_sent: set[str] = set()
         self._lk_hello_msg: bytes | None = None
@@ -87,6 +95,12 @@ class DReadGating:
             self._lk_gate.protect(request_id)
             if engine_id:
                 self._lk_protocol_engines.add(str(engine_id))
+
+    def _lk_finished(self, request_ids: Any) -> None:
+        """Protected requests that finished on D (scheduler's ``request_finished``: served, aborted or
+        failed): their gate state ends (an undecided read of theirs will never be served)."""
+        for request_id in request_ids or ():
+            self._lk_gate.finish(request_id)
 
     def _lk_hello_engines(self, heartbeat_by_engine: Any) -> None:
         """Before heartbeating a P engine known to speak the protocol (handshake done), say hello to its
@@ -113,16 +127,21 @@ class DReadGating:
             return msg
 
     def _read_blocks(self, *args: Any, **kwargs: Any) -> bool:
-        """Stock ``_read_blocks``; for a protected request, first the hello (once per P agent) and the
-        expectation of that agent's verdict."""
+        """Stock ``_read_blocks``; for a protected request, first the expectation of that P agent's
+        verdict, then the hello (once per P agent). If either fails the read is ``ungated`` (discarded).
+        vLLM 0.32 passes every argument by keyword (``pull_worker.py`` ``_read_and_notify``); positional
+        arguments make every protected read ``ungated`` rather than unchecked."""
         request_id = kwargs.get("request_id")
+        if args and request_id is None:
+            self._lk_gate.ungate_all()
         if request_id is not None and self._lk_gate.is_protected(request_id):
             try:
                 spec, engine = kwargs["read_spec"], kwargs["dst_engine_id"]
                 agent = self._remote_agents[engine][(0, spec.remote_rank)]
-                self._lk_say_hello(agent)
                 self._lk_gate.expect(request_id, agent_name(agent), kwargs["remote_request_id"])
-            except Exception as exc:  # the read will wait for a verdict that may not come: timeout, safe
+                self._lk_say_hello(agent)
+            except Exception as exc:  # fail closed: this read will be discarded, never served unchecked
+                self._lk_gate.ungate(request_id)
                 self._lk_errors.report("read gate", exc)
         return super()._read_blocks(*args, **kwargs)
 
@@ -131,7 +150,8 @@ class DReadGating:
             return
         if self._lk_hello_msg is None:
             self._lk_hello_msg = encode_hello(partial_agent_metadata(self.nixl_wrapper))
-        self.nixl_wrapper.send_notif(agent, notif_msg=self._lk_hello_msg)
+        raw = getattr(self.nixl_wrapper, "_wrapped", self.nixl_wrapper)  # not counted as a heartbeat
+        raw.send_notif(agent, notif_msg=self._lk_hello_msg)
         self._lk_hello_sent.add(agent_name(agent))
         lease_logger().info("LeaseKit: said hello to P agent %s (%d bytes): reads from it wait for its verdicts",
                             agent_name(agent), len(self._lk_hello_msg))
@@ -150,7 +170,8 @@ class DReadGating:
             try:
                 if self._lk_faults.enabled:
                     self._lk_digest_read(request_id)
-                if self._lk_gate.hold(request_id, now):
+                action = self._lk_gate.hold(request_id, now)
+                if action != USE:  # HOLD, or FAIL (decided ungated by resolve below)
                     done.discard(request_id)
                     self._send_pending_recv_notifs(request_id)  # mixed-memory reads notify P only now
                 else:
@@ -168,7 +189,6 @@ class DReadGating:
                 else:
                     failed.add(result.request_id)
                 decided.append(result)
-            self._lk_gate.sweep(set(self._recving_metadata), now)
             for result in decided:
                 self._lk_record_read(result, now)
         except Exception as exc:

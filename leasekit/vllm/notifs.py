@@ -18,10 +18,11 @@ request in ``_reqs_to_send``/``_reqs_to_process`` counts one consumer, and the b
   ``notifications_after_expiry`` counter);
 - max hold: no heartbeat extends a lease past ``grant + max_hold_s`` (default 480 s,
   ``leasekit_max_hold_s``); such a lease expires with cause ``max_hold``;
-- the LeaseKit protocol (docs/fail-closed.md): a hello ``LK1:HELLO:<metadata>`` from a D agent adds that
-  agent (connection info only) so P can notify it; every completion from such an agent is answered
-  with a verdict ``LK1:V:ok|reaped:<id>`` (``ok`` iff the lease was live when P handled it); verdicts
-  for an agent whose hello has not arrived yet are kept (bounded) and sent when it does. Every heartbeat
+- the LeaseKit protocol (docs/fail-closed.md): a hello (the heartbeat id ``LK1~H~<base64 metadata>``)
+  from a D agent adds that agent (connection info only; one naming another agent is unloaded and
+  dropped as ``bad_hello``; at most 1024 are kept) so P can notify it; every completion from such an agent is answered
+  with a verdict ``LK1:V:ok|reaped:<id>`` (``ok`` iff the lease was live when P handled it); ``ok``
+  verdicts for an agent whose hello has not arrived yet are kept (bounded) and sent when it does. Every heartbeat
   from such an agent that carries D's sequence token ``LK1~<n>`` is acknowledged,
   ``LK1:A:<n>:<remaining ms>:<ids>`` (the ids it extended and the least time left over them, counted from
   ``now``, read before the batch was handled). Verdicts and
@@ -44,13 +45,13 @@ from leasekit.lease.codec import (
     Ack,
     Completion,
     DecodeError,
+    MAX_HEARTBEAT_ID_CHARS,
     Heartbeat,
-    Hello,
     Verdict,
     decode_notification,
     encode_ack,
     encode_verdict,
-    split_sequence_token,
+    split_protocol_ids,
 )
 from leasekit.lease.readgate import agent_name
 from leasekit.telemetry import lease_events as ev
@@ -66,6 +67,8 @@ MAX_PENDING_VERDICTS_PER_AGENT = 256
 """Verdicts kept for one D agent whose hello has not arrived (the oldest go first)."""
 MAX_PENDING_AGENTS = 64
 """Agents with kept verdicts (stock D agents never say hello; the oldest agent's are dropped first)."""
+MAX_PROTOCOL_AGENTS = 1024
+"""D agents P keeps loaded from hellos (each holds a UCX endpoint); beyond it the oldest is unloaded."""
 
 
 class NotificationConfigError(ValueError):
@@ -114,7 +117,7 @@ class PNotificationHandling:
         self._lk_drop_warning = RateLimitedWarning(lease_logger())
         self._lk_late_warning = RateLimitedWarning(lease_logger())
         self._lk_verdict_warning = RateLimitedWarning(lease_logger())
-        self._lk_protocol_agents: set[str] = set()
+        self._lk_protocol_agents: dict[str, None] = {}  # insertion-ordered set
         self._lk_pending_verdicts: dict[str, deque[bytes]] = {}
 
     def _get_new_notifs(self) -> set[str]:
@@ -145,8 +148,6 @@ class PNotificationHandling:
             self._lk_heartbeat(agent, message.req_ids, now)
         elif isinstance(message, Completion):
             self._lk_completion(agent, message, now, done)
-        elif isinstance(message, Hello):
-            self._lk_hello(agent, message)
         elif isinstance(message, Verdict):
             gate = getattr(self, "_lk_gate", None)
             if gate is not None:
@@ -156,22 +157,33 @@ class PNotificationHandling:
             if gate is not None:
                 gate.ack(agent, message.seq, message.remaining_s, message.req_ids)
 
-    def _lk_hello(self, agent: str, hello: Hello) -> None:
+    def _lk_hello(self, agent: str, metadata: bytes) -> None:
         if agent in self._lk_protocol_agents:
             return  # a repeat (one per P agent per D worker is sent; harmless)
         try:
-            name = self.nixl_wrapper.add_remote_agent(hello.agent_metadata)
+            name = agent_name(self.nixl_wrapper.add_remote_agent(metadata))
         except Exception as exc:
             self._lk_drop("bad_hello", agent, f"NIXL refused the agent metadata: {type(exc).__name__}: {exc}")
             return
-        name = agent_name(name)
         if name != agent:
+            if name not in self._lk_protocol_agents:  # never unload an agent that said its own hello
+                self._lk_unload(name)
             self._lk_drop("bad_hello", agent, f"hello names agent {name!r}, not its sender")
             return
-        self._lk_protocol_agents.add(agent)
+        if len(self._lk_protocol_agents) >= MAX_PROTOCOL_AGENTS:  # oldest first: its D, if alive, times out
+            self._lk_unload(next(iter(self._lk_protocol_agents)))
+        self._lk_protocol_agents[agent] = None
         lease_logger().info("LeaseKit: D agent %s speaks the fail-closed protocol; its reads get verdicts", agent)
         for msg in self._lk_pending_verdicts.pop(agent, ()):
             self._lk_send_verdict_bytes(agent, msg)
+
+    def _lk_unload(self, name: str) -> None:
+        self._lk_protocol_agents.pop(name, None)
+        self._lk_pending_verdicts.pop(name, None)
+        try:
+            self.nixl_wrapper.remove_remote_agent(name)
+        except Exception as exc:
+            self._lk_drop("bad_hello", name, f"could not unload agent: {type(exc).__name__}: {exc}")
 
     def _lk_verdict(self, agent: str, req_id: str, ok: bool) -> None:
         """Answer one completion (see module docstring); keep it if the agent's hello is still due."""
@@ -179,6 +191,8 @@ class PNotificationHandling:
         if agent in self._lk_protocol_agents:
             self._lk_send_verdict_bytes(agent, msg)
             return
+        if not ok or len(req_id) > MAX_HEARTBEAT_ID_CHARS:
+            return  # only a live lease's verdict is kept for a hello still due (a stock D never says one)
         pending = self._lk_pending_verdicts.get(agent)
         if pending is None:
             if len(self._lk_pending_verdicts) >= MAX_PENDING_AGENTS:
@@ -199,7 +213,9 @@ class PNotificationHandling:
 
     def _lk_heartbeat(self, agent: str, req_ids: tuple[str, ...], now: float) -> None:
         extension = self._lease_extension
-        seq, req_ids = split_sequence_token(req_ids)
+        seq, hello, req_ids = split_protocol_ids(req_ids)
+        if hello is not None:
+            self._lk_hello(agent, hello)
         acked: list[str] = []
         remaining = float("inf")
         for req_id in req_ids:

@@ -19,7 +19,8 @@ are equal; the late read's differ.
   ``_nixl_handshake``, makes a single handshake slower than L = 6 s fail instead). D's read is discarded
   and recomputed.
 - LeaseKit P + stock D (the hazard, and compatibility): nothing breaks, and D answers HTTP 200 for A
-  from the reclaimed, reused blocks: only the gate stands between them and the user.
+  although P saw its read complete after the lease had ended (P's ``kv_lease_late_read`` span), from
+  the blocks the same procedure is shown above to reuse: only the gate stands between them and the user.
 """
 
 import threading
@@ -177,3 +178,6 @@ def test_stock_d_serves_a_read_of_reclaimed_and_reused_blocks(vllm_available, tm
         assert lease(pair, rid).outcome == "expired"
         assert _read_outcomes(pair, rid) == []  # a stock D has no read gate: HTTP 200 from reused blocks
         assert len(tokens) == TOKENS and len(reference) == TOKENS
+        _wait(lambda: any(s.name == sc.LATE_READ_SPAN_NAME and s.attributes.get(sc.REQUEST_ID) == rid
+                          for s in read_span_dir(pair.span_dir).spans),
+              15, "LeaseKit P to see the stock D's read complete after the lease had ended")

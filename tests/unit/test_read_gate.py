@@ -13,7 +13,6 @@ from leasekit.lease.codec import (
     REASON_BAD_PROTOCOL,
     Completion,
     DecodeError,
-    Hello,
     Verdict,
     decode_notification,
     encode_ack,
@@ -21,12 +20,16 @@ from leasekit.lease.codec import (
     encode_hello,
     encode_verdict,
     sequence_token,
-    split_sequence_token,
+    split_protocol_ids,
 )
+from leasekit.lease.readgate import FAIL as GATE_FAIL
 from leasekit.lease.readgate import (
+    HOLD,
     OUTCOME_REAPED,
     OUTCOME_TIMEOUT,
+    OUTCOME_UNGATED,
     OUTCOME_VERIFIED,
+    USE,
     ReadGate,
     agent_name,
 )
@@ -44,8 +47,9 @@ def test_verdict_round_trips_for_any_id(req_id, ok):
 
 
 @given(st.binary(min_size=1, max_size=600))
-def test_hello_round_trips_any_metadata(metadata):
-    assert decode_notification(encode_hello(metadata)) == Hello(metadata)
+def test_hello_is_a_heartbeat_id_that_round_trips_any_metadata(metadata):
+    heartbeat = decode_notification(encode_hello(metadata))
+    assert split_protocol_ids(heartbeat.req_ids) == (None, metadata, ())  # a stock P ignores the id
 
 
 @pytest.mark.parametrize("raw", [b"LK1:", b"LK1:V:maybe:r", b"LK1:V:ok", b"LK1:HELLO:!!!", b"LK1:HELLO:", b"LK1:X:1"])
@@ -62,23 +66,23 @@ def test_agent_names_from_vllm_bytes_and_nixl_str_agree():
     assert agent_name(b"abc") == agent_name("abc") == "abc"
 
 
-def gate(timeout_s=6.0):
-    g = ReadGate(timeout_s, clock=lambda: 0.0)
-    g.protect("d1", now=0.0)
-    g.expect("d1", "p0", "P1")
+def gate(timeout_s=6.0, max_remaining_s=6.0):
+    g = ReadGate(timeout_s, max_remaining_s=max_remaining_s, clock=lambda: 0.0)
+    g.protect("d1")
+    g.expect("d1", "p0", "P1", now=0.0)
     return g
 
 
-def test_unprotected_reads_are_not_held():
+def test_unprotected_reads_are_used_as_stock_does():
     g = ReadGate(6.0)
     g.expect("d1", "p0", "P1")
-    assert not g.hold("d1", now=0.0)
+    assert g.hold("d1", now=0.0) == USE
 
 
 def test_a_protected_read_waits_for_every_agent_that_served_it():
     g = gate()
-    g.expect("d1", "p1", "P1")
-    assert g.hold("d1", now=1.0)
+    g.expect("d1", "p1", "P1", now=0.0)
+    assert g.hold("d1", now=1.0) == HOLD
     g.verdict("p0", "P1", True)
     assert g.resolve(now=1.1) == []
     g.verdict("p1", "P1", True)
@@ -92,26 +96,53 @@ def test_one_reaped_answer_discards_the_read_and_cannot_be_overwritten():
     g = gate()
     g.verdict("p0", "P1", False)  # may arrive before D polls the transfer
     g.verdict("p0", "P1", True)
-    assert g.hold("d1", now=1.0)
+    assert g.hold("d1", now=1.0) == HOLD
     (result,) = g.resolve(now=1.0)
     assert result.outcome == OUTCOME_REAPED
 
 
 def test_no_answer_times_out_and_a_verdict_from_another_agent_does_not_count():
     g = gate(timeout_s=2.0)
-    assert g.hold("d1", now=1.0)
+    assert g.hold("d1", now=1.0) == HOLD
     g.verdict("forger", "P1", True)
     assert g.resolve(now=2.9) == []
     (result,) = g.resolve(now=3.0)
     assert result.outcome == OUTCOME_TIMEOUT and result.wait_s == pytest.approx(2.0)
 
 
-def test_sweep_forgets_old_unheld_requests_only():
+def test_a_protected_read_nobody_was_asked_about_fails_closed():
+    g = ReadGate(6.0, clock=lambda: 0.0)
+    g.protect("d1")  # the hook failed before expect(): no P agent will answer
+    assert g.hold("d1") == GATE_FAIL
+    assert [r.outcome for r in g.resolve()] == [OUTCOME_UNGATED]
+
+
+def test_protection_lasts_until_the_request_finishes_however_long_it_waits():
     g = gate()
-    g.protect("d2", now=0.0)
-    g.hold("d1", now=0.0)
-    g.sweep(live=set(), now=700.0)
-    assert g.is_protected("d1") and not g.is_protected("d2")
+    g.protect("d2")
+    assert g.hold("d1", now=10_000.0) == HOLD  # no age limit: a read after hours is still gated
+    g.finish("d2")
+    assert not g.is_protected("d2")
+    g.resolve(now=10_000.0)
+    g.finish("d1")  # the request finished on D: nothing of it is left
+    assert g._reads == {} and not g.is_protected("d1")
+
+
+def test_a_second_read_of_the_same_p_request_is_not_verified_by_the_first_ones_verdict():
+    g = gate()
+    g.protect("d2")
+    g.expect("d2", "p0", "P1", now=0.0)  # concurrent: the key belongs to d1
+    g.verdict("p0", "P1", True)
+    assert g.hold("d1", now=0.5) == HOLD and g.hold("d2", now=0.5) == GATE_FAIL
+    assert sorted((r.request_id, r.outcome) for r in g.resolve(now=0.5)) == [
+        ("d1", OUTCOME_VERIFIED), ("d2", OUTCOME_UNGATED)]
+    g.protect("d3")  # a retry soon after: a stale verdict of d1's read could still arrive
+    g.expect("d3", "p0", "P1", now=1.0)
+    g.verdict("p0", "P1", True)
+    assert g.hold("d3", now=1.0) == GATE_FAIL
+    g.protect("d4")  # a retry after the timeout owns the key again
+    g.expect("d4", "p0", "P1", now=20.0)
+    assert g.hold("d4", now=20.0) == HOLD
 
 
 def test_timeout_must_be_positive():
@@ -121,13 +152,17 @@ def test_timeout_must_be_positive():
 
 class NixlStandIn:
     def __init__(self, name="d0"):
-        self.batches, self.sent, self.name = [], [], name
+        self.batches, self.sent, self.name, self.loaded = [], [], name, []
 
     def get_new_notifs(self):
         return self.batches.pop(0) if self.batches else {}
 
     def add_remote_agent(self, metadata):
+        self.loaded.append(self.name)
         return self.name.encode()  # NIXL returns bytes
+
+    def remove_remote_agent(self, name):
+        self.loaded.remove(name)
 
     def send_notif(self, agent, notif_msg):
         self.sent.append((agent, notif_msg))
@@ -146,10 +181,10 @@ def test_p_answers_each_completion_after_hello_live_ok_late_reaped():
     assert w.nixl_wrapper.sent == [("d0", encode_verdict("live", True)), ("d0", encode_verdict("gone", False))]
 
 
-def test_p_keeps_verdicts_until_the_hello_arrives():
+def test_p_keeps_live_verdicts_until_the_hello_arrives():
     w = p_worker()
     w.grant("r", 0.0)
-    w.step({"d0": [b"r:1"]})
+    w.step({"d0": [b"r:1", b"gone:1"]})  # only the live lease's verdict is kept
     assert w.nixl_wrapper.sent == []
     w.step({"d0": [encode_hello(b"md")]})
     assert w.nixl_wrapper.sent == [("d0", encode_verdict("r", True))]
@@ -161,12 +196,13 @@ def test_p_refuses_a_hello_naming_another_agent():
     w.step({"d0": [encode_hello(b"md"), b"r:1"]})
     assert w.nixl_wrapper.sent == []
     assert w.drops() == {"bad_hello": 1}
+    assert w.nixl_wrapper.loaded == [], "the wrongly named agent is unloaded again"
 
 
 def test_a_verdict_reaching_a_worker_goes_to_its_read_gate():
     w = p_worker()
     w._lk_gate = gate()
-    w._lk_gate.hold("d1", now=0.0)
+    assert w._lk_gate.hold("d1", now=0.0) == HOLD
     w.step({"p0": [encode_verdict("P1", False)]})
     assert w._lk_gate.resolve(now=0.0)[0].outcome == OUTCOME_REAPED
 
@@ -187,25 +223,32 @@ def test_acknowledged_heartbeats_let_a_read_through_without_waiting():
     g = gate()
     seq = g.heartbeat_sent("p0", now=1.0)
     g.ack("p0", seq, 4.0, ["P1"])  # held until at least 1 + 4 = 5 on D's clock
-    assert g.hold("d1", now=4.9)
+    assert g.hold("d1", now=4.9) == HOLD
     (result,) = g.resolve(now=4.9)
     assert result.outcome == OUTCOME_VERIFIED and result.wait_s == 0.0
-    g.verdict("p0", "P1", True)  # P's verdict still arrives; it is not kept
-    assert g._verdicts == {}
+    g.verdict("p0", "P1", True)  # P's verdict still arrives; nothing keeps it
+    assert g._reads == {}
 
 
 def test_a_read_seen_after_the_horizon_waits_for_the_verdict():
     g = gate()
     g.ack("p0", g.heartbeat_sent("p0", now=1.0), 4.0, ["P1"])
-    assert g.hold("d1", now=5.1)
+    assert g.hold("d1", now=5.1) == HOLD
     assert g.resolve(now=5.1) == []
+
+
+def test_an_ack_claims_at_most_the_lease_duration():
+    g = gate(max_remaining_s=6.0)
+    g.ack("p0", g.heartbeat_sent("p0", now=1.0), 1e9, ["P1"])  # forged or broken: cut to 1 + 6 = 7
+    assert g.hold("d1", now=7.5) == HOLD
+    assert g.resolve(now=7.5) == []
 
 
 def test_acks_match_their_own_send_whatever_was_lost():
     g = gate()
     g.heartbeat_sent("p0", now=1.0)  # lost: never acknowledged
     g.ack("p0", g.heartbeat_sent("p0", now=2.0), 4.0, ["P1"])  # horizon 6.0
-    assert g.hold("d1", now=5.5)
+    assert g.hold("d1", now=5.5) == HOLD
     assert [r.outcome for r in g.resolve(now=5.5)] == [OUTCOME_VERIFIED]
 
 
@@ -214,7 +257,7 @@ def test_unknown_or_repeated_acks_are_ignored():
     seq = g.heartbeat_sent("p0", now=1.0)
     g.ack("p0", seq + 7, 100.0, ["P1"])  # no such send
     g.ack("forger", seq, 100.0, ["P1"])  # not that agent's send
-    assert g.hold("d1", now=10.0)
+    assert g.hold("d1", now=10.0) == HOLD
     assert g.resolve(now=10.0) == []
     g.ack("p0", seq, 4.0, ["P1"])
     g.ack("p0", seq, 100.0, ["P1"])  # a replay: the send was consumed
@@ -228,8 +271,8 @@ def test_ack_round_trips(seq, remaining_s, ids):
 
 
 def test_sequence_token_is_split_off_a_heartbeat():
-    assert split_sequence_token(["a", sequence_token(12), "b"]) == (12, ("a", "b"))
-    assert split_sequence_token(["a", "LK1~x"]) == (None, ("a", "LK1~x"))
+    assert split_protocol_ids(["a", sequence_token(12), "b"]) == (12, None, ("a", "b"))
+    assert split_protocol_ids(["a", "LK1~x", "LK1~H~!!"]) == (None, None, ("a", "LK1~x", "LK1~H~!!"))
 
 
 def test_p_acknowledges_sequenced_heartbeats_of_protocol_agents_only():

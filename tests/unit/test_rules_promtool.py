@@ -90,7 +90,7 @@ MUTATIONS = {
     "LeasePinnedBlocksHigh": _replace(rules.PINNED, "max by (job, instance, engine)", "sum by (job, instance, engine)"),
     "LeaseHeartbeatGapNearExtension": _replace("LeaseHeartbeatGapNearExtension", "0.8 *", "0.2 *"),
     "LeaseHeartbeatSendFailures": _replace("LeaseHeartbeatSendFailures", "for", "0m"),
-    "LeaseReadsDiscarded": _replace(rules.DISCARDED_BY_OUTCOME, 'outcome=~"reaped|timeout"', 'outcome=~".+"'),
+    "LeaseReadsDiscarded": _replace(rules.DISCARDED_BY_OUTCOME, 'outcome=~"reaped|timeout|ungated"', 'outcome=~".+"'),
 }
 
 
