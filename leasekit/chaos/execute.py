@@ -81,7 +81,7 @@ class ScenarioExecution:
         if load.kind != "overload":
             time.sleep(max(0.0, load.queued_at + self.s.hold_decode_slot_s() - time.monotonic()))
         load.release_slot()
-        load.wait_decodes(120)
+        load.wait_decodes(self._decode_wait_s())
         evidence = self.reader.wait_ended(load.request_ids, 30)
         check = check_steady_state(evidence.leases, [load.request_id(i) for i, x in load.intent.items() if x == "decode"],
                                    {i: d for i, d in load.decodes.items() if load.intent[i] == "decode"},
@@ -190,7 +190,7 @@ class ScenarioExecution:
                 run.finish_partition()
                 self._release(load, run)
                 if not run.d_killed:
-                    load.wait_decodes(120)
+                    load.wait_decodes(self._decode_wait_s())
         finally:
             traffic.stop()
             run.cleanup()
@@ -210,6 +210,14 @@ class ScenarioExecution:
         load.intent = {i: "decode" for i in range(len(results))}
         load.queued_at = started
         self.fault_run.finish_partition()
+
+    def _decode_wait_s(self) -> float:
+        """How long to wait for the routed decodes to answer, seconds: 120, plus the workload's tokens at
+        a floor of 5 tokens/s (D serves one request at a time; a 2-core host busy starting spare
+        engines decodes at 5-15 tokens/s). A wait, not a bound: ``all_served`` asks only that nothing is
+        lost."""
+        w = self.s.workload
+        return 120.0 + w.requests * w.decode_tokens / 5.0
 
     def _release(self, load: QueuedDecodeLoad, run: FaultRun) -> None:
         """Let D serve its queue: after ``hold_decode_slot_s`` if set; else once every fault is over
