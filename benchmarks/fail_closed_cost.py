@@ -131,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         rtt = notification_round_trip(args.pings)
         result["notification_rtt_p50_s"] = _pct(rtt, 0.5)
         for target in ("stock", "leasekit"):
-            spec = PairSpec.pinned(lease_duration_s=args.lease_duration, prefill_connector=target, decode_connector=target)
+            spec = PairSpec.pinned(lease_duration_s=args.lease_duration, prefill_connector=target, decode_connector=target,
+                                   fail_closed=target == "leasekit")
             with PDPair(spec, run_dir / target) as pair:
                 result[f"{target}_latency_p50_s"] = _pct(routed_latencies(pair, args.requests), 0.5)
                 if target == "leasekit":

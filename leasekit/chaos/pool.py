@@ -29,6 +29,7 @@ def pair_spec(scenario: Scenario, target: str) -> PairSpec:
         fault_files=target == "leasekit",
         lease_logging=target == "stock",
         warm_up=launch.warm_up,
+        fail_closed=launch.fail_closed and target == "leasekit",
     )
 
 

@@ -67,7 +67,8 @@ class PairSpec:
     (``leasekit_max_hold_s``; None keeps the connector's default), and D's ``kv_load_failure_policy``
     (``recompute`` by default here: a read LeaseKit D discards is recomputed; ``fail`` ends the request
     with an error; vLLM's own default is ``fail``), and P's KV cache in bytes (None: the server default,
-    64 MiB; a small one makes freed blocks reused soon)."""
+    64 MiB; a small one makes freed blocks reused soon), and whether LeaseKit P turns on the fail-closed
+    protocol (``leasekit_fail_closed``; off by default, docs/fail-closed.md)."""
 
     prefill_connector: str = "leasekit"
     decode_connector: str = "leasekit"
@@ -89,6 +90,7 @@ class PairSpec:
     prefill_max_hold_s: float | None = None
     decode_kv_load_failure_policy: str | None = "recompute"
     prefill_kv_cache_bytes: int | None = None
+    fail_closed: bool = False
 
     def launch_key(self) -> tuple:
         """Everything that needs a fresh pair when it changes."""
@@ -185,10 +187,7 @@ class PDPair:
                 command_prefix=prefix,
                 bind_host=bind_host,
                 url_host=url_host,
-                connector_extra=(
-                    {"leasekit_max_hold_s": self.spec.prefill_max_hold_s}
-                    if role == "prefill" and self.spec.prefill_max_hold_s is not None else {}
-                ),
+                connector_extra=self._connector_extra(role),
                 kv_load_failure_policy=self.spec.decode_kv_load_failure_policy if role == "decode" else None,
                 **({"kv_cache_bytes": self.spec.prefill_kv_cache_bytes}
                    if role == "prefill" and self.spec.prefill_kv_cache_bytes else {}),
@@ -198,6 +197,14 @@ class PDPair:
         with _LIVE_LOCK:
             _LIVE.add(server)
         return server
+
+    def _connector_extra(self, role: str) -> dict[str, object]:
+        extra: dict[str, object] = {}
+        if role == "prefill" and self.spec.prefill_max_hold_s is not None:
+            extra["leasekit_max_hold_s"] = self.spec.prefill_max_hold_s
+        if role == "prefill" and self.spec.fail_closed:
+            extra["leasekit_fail_closed"] = True
+        return extra
 
     # -- lifecycle -------------------------------------------------------------------------
     def launch(self, *, idle: bool = False) -> "PDPair":

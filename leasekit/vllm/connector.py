@@ -21,8 +21,8 @@ life (``leasekit_max_hold_s``, default 480 s). The scheduler's side-channel hand
 refuses, counts and survives malformed handshake requests, and its liveness reaches ``/metrics``
 through the scheduler-role ``get_kv_connector_stats``.
 
-Fail closed (docs/fail-closed.md): P marks the ``kv_transfer_params`` it returns with
-``leasekit_protocol``; a LeaseKit D then holds each finished read until P confirmed that the lease
+Fail closed (docs/fail-closed.md; opt-in with ``leasekit_fail_closed`` on P): P marks the
+``kv_transfer_params`` it returns with ``leasekit_protocol``; a LeaseKit D then holds each finished read until P confirmed that the lease
 covered it (:mod:`leasekit.vllm.dgate`, P's side in :mod:`leasekit.vllm.notifs`), and a read P had
 reaped, or not confirmed in time, is reported failed so vLLM's ``kv_load_failure_policy`` applies.
 D's heartbeat sending and the chaos fault points are :mod:`leasekit.vllm.dheartbeats`.
@@ -36,7 +36,9 @@ Configuration (``kv_connector_extra_config``): ``kv_lease_duration`` (vLLM's own
 ``leasekit_run_dir`` (span directory; default env ``LEASEKIT_RUN_DIR``, else ``./leasekit-run``),
 ``leasekit_max_hold_s`` (seconds, ``[L, 86400]``, default 480), ``leasekit_max_notification_bytes``
 (``[1024, 64 MiB]``, default 1 MiB), ``leasekit_verdict_timeout_s`` (D: seconds to wait for P's
-verdict on a read, ``[0.05, 600]``, default L); an out-of-range value stops the worker at start with the fix.
+verdict on a read, ``[0.05, 86400]``, default ``min(L, 600)``), ``leasekit_fail_closed`` (P: mark
+requests for the fail-closed protocol; default false); an out-of-range value stops the engine at
+start with the fix.
 Telemetry errors are logged (rate-limited) and never raised into the engine loop.
 """
 
@@ -77,7 +79,7 @@ from leasekit.telemetry.lease_log import LeaseLogObserver, RateLimitedWarning, l
 from leasekit.telemetry.lease_spans import LeaseSpanRecorder  # noqa: E402
 from leasekit.telemetry.provider import build_tracer_provider  # noqa: E402
 from leasekit.lease.codec import PROTOCOL_PARAM, PROTOCOL_VERSION  # noqa: E402
-from leasekit.vllm.dgate import DReadGating, verdict_timeout  # noqa: E402
+from leasekit.vllm.dgate import DReadGating, fail_closed_enabled, verdict_timeout  # noqa: E402
 from leasekit.vllm.dheartbeats import DHeartbeats  # noqa: E402
 from leasekit.vllm.faultpoints import FAULT_FILE_ENV, FaultPoints  # noqa: E402
 from leasekit.vllm.kvdigest import KV_DIGEST_ATTR, kv_digest  # noqa: E402
@@ -129,6 +131,7 @@ class LeaseKitPullScheduler(NixlPullConnectorScheduler):
         self._leasekit_protected: list[list[Any]] = []
         self._leasekit_finished: list[str] = []
         self._lk_protected_ids: set[str] = set()
+        self._lk_fail_closed = fail_closed_enabled(vllm_config.kv_transfer_config)
         self._leasekit_block_ids: dict[str, list[int]] = {}  # only with fault points (kvdigest.py)
         self._lk_digests = bool(os.environ.get(FAULT_FILE_ENV))
         self._lk_listener = ListenerHealth()
@@ -169,7 +172,7 @@ class LeaseKitPullScheduler(NixlPullConnectorScheduler):
         if request.request_id in self._lk_protected_ids:  # D: the read gate's state for it ends
             self._lk_protected_ids.discard(request.request_id)
             self._leasekit_finished.append(request.request_id)
-        if delay_free and isinstance(params, dict) and params.get("do_remote_prefill"):
+        if self._lk_fail_closed and delay_free and isinstance(params, dict) and params.get("do_remote_prefill"):
             params[PROTOCOL_PARAM] = PROTOCOL_VERSION  # D may hold its read for P's verdict (dgate.py)
         if delay_free and request.request_id in self._reqs_need_send:
             self._leasekit_blocks[request.request_id] = sum(len(group) for group in block_ids)

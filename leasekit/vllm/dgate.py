@@ -59,10 +59,31 @@ def verdict_timeout(extra_config: Any, lease_duration_s: float) -> float:
     low, high = VERDICT_TIMEOUT_RANGE_S
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
         raise ReadGateConfigError(
-            f"kv_connector_extra_config.{VERDICT_TIMEOUT_EXTRA_KEY}={value!r}: must be seconds in [{low}, {high}]; "
+            f"kv_connector_extra_config.{VERDICT_TIMEOUT_EXTRA_KEY}={value!r}: must be seconds in [{low:g}, {high:g}]; "
             f"fix: leave it unset (min(kv_lease_duration, {DEFAULT_VERDICT_TIMEOUT_CAP_S:g}) s)"
         )
     return float(value)
+
+
+FAIL_CLOSED_EXTRA_KEY = "leasekit_fail_closed"
+
+
+def fail_closed_enabled(extra_config: Any) -> bool:
+    """Whether P turns on the fail-closed protocol: ``kv_connector_extra_config.leasekit_fail_closed``
+    (bool, default False). Off by default: with it on, P opens NIXL connections back to D agents, and
+    UCX was seen to crash P's worker when such a D was SIGKILLed (docs/fail-closed.md).
+
+    Raises:
+        ReadGateConfigError: not a bool.
+    """
+    get = getattr(extra_config, "get_from_extra_config", None) or (lambda k, d: extra_config.get(k, d))
+    value = get(FAIL_CLOSED_EXTRA_KEY, False)
+    if not isinstance(value, bool):
+        raise ReadGateConfigError(
+            f"kv_connector_extra_config.{FAIL_CLOSED_EXTRA_KEY}={value!r}: must be true or false; fix: a JSON "
+            "boolean, or leave it unset (false)"
+        )
+    return value
 
 
 def partial_agent_metadata(nixl_wrapper: Any) -> bytes:

@@ -137,7 +137,8 @@ def _digests(pair, rid: str) -> tuple[str | None, str | None]:
 
 
 def test_blocks_reused_before_a_late_read_are_never_served(vllm_available, tmp_path):
-    spec = PairSpec.pinned(lease_duration_s=L, prefill_kv_cache_bytes=KV_CACHE_BYTES, warm_up=False, fault_files=True)
+    spec = PairSpec.pinned(lease_duration_s=L, prefill_kv_cache_bytes=KV_CACHE_BYTES, warm_up=False, fault_files=True,
+                           fail_closed=True)
     with PDPair(spec, tmp_path / "run") as pair:
         # first contact after the lease expired: D's first handshake and read come too late
         prompt = pair.prompt(48)
@@ -172,7 +173,8 @@ def test_blocks_reused_before_a_late_read_are_never_served(vllm_available, tmp_p
 
 
 def test_stock_d_serves_a_read_of_reclaimed_and_reused_blocks(vllm_available, tmp_path):
-    spec = PairSpec.pinned(lease_duration_s=L, decode_connector="stock", prefill_kv_cache_bytes=KV_CACHE_BYTES)
+    spec = PairSpec.pinned(lease_duration_s=L, decode_connector="stock", prefill_kv_cache_bytes=KV_CACHE_BYTES,
+                           fail_closed=True)
     with PDPair(spec, tmp_path / "run") as pair:
         rid, tokens, reference = _read_after_reuse(pair)
         assert lease(pair, rid).outcome == "expired"

@@ -284,3 +284,15 @@ def test_p_acknowledges_sequenced_heartbeats_of_protocol_agents_only():
     acks = [decode_notification(msg) for agent, msg in w.nixl_wrapper.sent]
     assert [(a.seq, a.req_ids) for a in acks] == [(6, ("r",)), (7, ())]
     assert E - 0.1 < acks[0].remaining_s <= TIMING.lease_duration_s
+
+
+def test_fail_closed_is_opt_in_and_a_bad_value_is_refused_with_the_fix():
+    from leasekit.vllm.dgate import ReadGateConfigError, fail_closed_enabled, verdict_timeout
+
+    assert fail_closed_enabled({}) is False
+    assert fail_closed_enabled({"leasekit_fail_closed": True}) is True
+    with pytest.raises(ReadGateConfigError, match="leasekit_fail_closed.*true or false"):
+        fail_closed_enabled({"leasekit_fail_closed": "yes"})
+    assert verdict_timeout({}, 900.0) == 600.0  # a long lease still starts: default min(L, 600)
+    with pytest.raises(ReadGateConfigError, match=r"\[0.05, 86400\]"):
+        verdict_timeout({"leasekit_verdict_timeout_s": 0}, 6.0)
