@@ -329,6 +329,7 @@ class ScenarioExecution:
         if reasons:
             r.verdict, r.summary = UNKNOWN, "; ".join(reasons)
             return r
+        r.notes.extend(f"server restarted after a start timeout: {why.splitlines()[0]}" for why in getattr(self.pair, "start_retries", []))
         try:
             r.effects.extend(self.launch_effects())
             r.steady_state = self.steady_state()

@@ -35,6 +35,11 @@ class ServerStartError(RuntimeError):
     """A server exited or did not become healthy in time; the message carries its log tail."""
 
 
+class ServerStartTimeout(ServerStartError):
+    """A server still running but not healthy after the start timeout; the message carries its log
+    tail and a start diagnosis (:func:`leasekit.cluster.startdiag.diagnose_start`)."""
+
+
 @dataclass
 class ServerSpec:
     """How to launch one server.
@@ -247,7 +252,8 @@ class VllmServer:
         """Block until ``/health`` is 200; returns seconds since start.
 
         Raises:
-            ServerStartError: the process exited, or ``timeout_s`` passed (log tail included).
+            ServerStartError: the process exited (log tail included).
+            ServerStartTimeout: ``timeout_s`` seconds passed (log tail and start diagnosis included).
         """
         if self.proc is None or self.started_at is None:
             raise RuntimeError(f"server {self.spec.name} not started")
@@ -266,8 +272,11 @@ class VllmServer:
                 self.pin()
                 return time.monotonic() - self.started_at
             time.sleep(0.5)
-        raise ServerStartError(
-            f"{self.spec.name} not healthy after {timeout_s:.0f} s; log {self.log_path}:\n{self.log_tail()}"
+        from leasekit.cluster.startdiag import diagnose_start
+
+        raise ServerStartTimeout(
+            f"{self.spec.name} not healthy after {timeout_s:.0f} s; log {self.log_path}:\n{self.log_tail()}\n"
+            f"{diagnose_start(self.spec.name, self.pids(), self.log_path)}"
         )
 
     def pids(self) -> list[int]:

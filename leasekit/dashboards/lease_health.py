@@ -74,9 +74,9 @@ def _lifecycle() -> list[Builder]:
                    [Query(sum_rate(_c(m.EXPIRIES), I + ", cause", W, F), "{{instance}} {{cause}}")],
                    "ops", width=12, stacked=True),
         timeseries("Late completions (reads that may have used freed blocks)",
-                   m.LATE_COMPLETIONS.help + " Any value above 0 fires LeaseLateCompletions.",
-                   [Query(sum_increase(_c(m.LATE_COMPLETIONS), I + ", remote_agent", W, F),
-                          "{{instance}} from {{remote_agent}}")], "short", width=12),
+                   m.LATE_COMPLETIONS.help + " Any value above 0 with fail_closed=false fires LeaseLateCompletions.",
+                   [Query(sum_increase(_c(m.LATE_COMPLETIONS), I + ", remote_agent, fail_closed", W, F),
+                          "{{instance}} from {{remote_agent}} (fail_closed={{fail_closed}})")], "short", width=12),
         timeseries("Lease hold time p50 / p99 by outcome vs max hold", m.HOLD.help + " " + m.MAX_HOLD.help,
                    [Query(quantile(q, _bucket(m.HOLD), I + ", outcome", W, F), f"{{{{instance}}}} {{{{outcome}}}} p{p}")
                     for q, p in ((0.5, 50), (0.99, 99))]

@@ -96,7 +96,7 @@ def recording_rules() -> list[dict[str, str]]:
         (EXPIRIES_BY_CAUSE, sum_new_or_increased(c(m.EXPIRIES), f"{I}, cause", "5m")),
         (EXPIRIES_BY_REMOTE, sum_new_or_increased(c(m.EXPIRIES), IA, "10m")),
         (EXTENSIONS_BY_REMOTE, sum_rate(c(m.EXTENSIONS), IA, "2m")),
-        (LATE_BY_REMOTE, sum_new_or_increased(c(m.LATE_COMPLETIONS), IA, "5m")),
+        (LATE_BY_REMOTE, sum_new_or_increased(c(m.LATE_COMPLETIONS), IA, "5m", 'fail_closed!="true"')),
         (SEND_FAILURES_BY_REMOTE, sum_new_or_increased(c(m.HEARTBEAT_SEND_FAILURES), IE, "5m")),
         (DISCARDED_BY_OUTCOME, sum_new_or_increased(c(m.READS), f"{I}, outcome", "5m",
                                                     'outcome=~"reaped|timeout|ungated"')),
@@ -140,7 +140,9 @@ def alerting_rules(config: RulesConfig) -> list[dict[str, object]]:
                f"Late read completions on {inst} from D worker {agent}",
                f"P server {inst} received read-completion notifications from D worker {agent} (NIXL agent) for "
                "leases that had already ended, in the last 5 minutes: D read KV blocks P may have freed and "
-               "reused, so the tokens it generated may be wrong (the fail-closed gap: docs/telemetry.md, kv_lease_late_read)."),
+               "reused, so the tokens it generated may be wrong (the fail-closed gap: docs/telemetry.md, kv_lease_late_read). "
+               "Late reads of a D that speaks the fail-closed protocol (fail_closed=\"true\") are discarded by D "
+               "and do not fire this; they show as LeaseReadsDiscarded on D."),
         _alert(config, "LeaseReclaimLagOverBound",
                f"{LAG_P99}\n> on ({I})\nclamp_min({H_MAX}, {RECLAIM_LAG_FLOOR_S:g})", "1m", "warning",
                f"Reclaim lag p99 {{{{ $value | humanizeDuration }}}} on {inst} is over the bound",

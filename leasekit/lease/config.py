@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from leasekit.lease.clock import KV_BLOCKS_EXPIRY_SAFETY_MARGIN_S as _TURN2_MARGIN_S
+from leasekit.lease.settings import lint_leasekit_keys
 
 DEFAULT_LEASE_DURATION_S = 30
 """vLLM's default ``kv_lease_duration`` in seconds (``get_from_extra_config(..., 30)``)."""
@@ -211,6 +212,16 @@ def _lint(config: object) -> list[LintFinding]:
             f"{_EXTRA}.decoder_kv_blocks_ttl", "warning",
             f"decoder_kv_blocks_ttl={ttl!r} <= P's {_TURN2_MARGIN_S} s safety margin: with "
             "bidirectional_kv_xfer P declines every turn-2 read", f"set it well above {_TURN2_MARGIN_S}, e.g. 480"))
+    extra = doc.get(_EXTRA, {})
+    findings += [LintFinding(f, sev, msg, fix) for f, sev, msg, fix in
+                 lint_leasekit_keys(extra, role, L if bad_l is None else None, _EXTRA)]
+    if (role == "kv_consumer" and doc.get("kv_connector") == "LeaseKitConnector"
+            and doc.get("kv_load_failure_policy", "fail") != "recompute"):
+        findings.append(LintFinding(
+            "kv_load_failure_policy", "warning",
+            f"kv_load_failure_policy={doc.get('kv_load_failure_policy', 'fail')!r} (vLLM's default 'fail'): a read a "
+            "fail-closed LeaseKit D discards (its lease expired) fails the request with an error instead of "
+            "recomputing it", '"kv_load_failure_policy": "recompute" on D'))
     return findings
 
 
@@ -222,10 +233,15 @@ def lint_kv_transfer_config(config: str | Mapping) -> list[LintFinding]:
     ``nixl/connector.py``); ``kv_connector_extra_config.kv_lease_duration`` and ``.decoder_kv_blocks_ttl``
     non-numeric (bool and null included), nan, inf, or <= 0 (errors); a float lease duration
     (warning); the timing edges of :func:`lint_timing_findings`; a ``decoder_kv_blocks_ttl`` within
-    the 5 s turn-2 margin (``nixl/pull_worker.py``, warning). Missing values take vLLM's defaults.
+    the 5 s turn-2 margin (``nixl/pull_worker.py``, warning); LeaseKitConnector's ``leasekit_*`` keys
+    (:func:`leasekit.lease.settings.lint_leasekit_keys`: out of range as the connector refuses it at start,
+    unknown, or set on a role that ignores it); on D, a ``kv_load_failure_policy`` other than
+    ``recompute`` (warning: a read the fail-closed gate discards then fails the request). Missing values
+    take vLLM's defaults.
 
     Returns:
-        The findings (document, ``kv_role``, lease duration, TTL, in that order); [] when clean.
+        The findings (document, ``kv_role``, lease duration, TTL, ``leasekit_*`` keys, failure policy, in
+        that order); [] when clean.
     """
     try:
         return _lint(config)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import secrets
 import time
 from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import Callable
 
 OUTCOME_VERIFIED = "verified"
@@ -37,10 +38,17 @@ OUTCOME_REAPED = "reaped"
 OUTCOME_TIMEOUT = "timeout"
 OUTCOME_UNGATED = "ungated"
 OUTCOME_UNPROTECTED = "unprotected"
-READ_OUTCOMES = (OUTCOME_VERIFIED, OUTCOME_REAPED, OUTCOME_TIMEOUT, OUTCOME_UNGATED, OUTCOME_UNPROTECTED)
+OUTCOME_ABANDONED = "abandoned"
+READ_OUTCOMES = (OUTCOME_VERIFIED, OUTCOME_REAPED, OUTCOME_TIMEOUT, OUTCOME_UNGATED, OUTCOME_UNPROTECTED,
+                 OUTCOME_ABANDONED)
 """Every outcome of :class:`ReadGate` (``leasekit_kv_lease_reads_total{outcome}``)."""
 DISCARDED_OUTCOMES = (OUTCOME_REAPED, OUTCOME_TIMEOUT, OUTCOME_UNGATED)
 """Outcomes whose read was reported failed to vLLM (``kv_load_failure_policy`` applied)."""
+RELEASED_OUTCOMES = (OUTCOME_VERIFIED, OUTCOME_ABANDONED, OUTCOME_UNPROTECTED)
+"""Outcomes whose read is reported done to vLLM: used (verified, unprotected), or, for a request that
+already finished on D (``abandoned``), only so that vLLM frees its blocks: vllm 0.32.0
+``Scheduler.finish_requests`` delays freeing a ``WAITING_FOR_REMOTE_KVS`` request's blocks until the
+worker reports its receive finished."""
 
 HOLD, USE, FAIL = "hold", "use", "fail"
 """What :meth:`ReadGate.hold` tells D to do with a finished read."""
@@ -77,6 +85,7 @@ class _Read:
     agents: set[str] = field(default_factory=set)
     held_since: float | None = None
     ungated: bool = False
+    abandoned: bool = False  # the request finished on D while its read was held
     verdicts: dict[str, bool] = field(default_factory=dict)  # agent -> ok (a reaped is never overwritten)
 
 
@@ -90,8 +99,8 @@ class ReadGate:
 
     Args:
         timeout_s: seconds to wait for P's verdicts after the read finished (> 0); default of the
-            connector: the lease duration ``L`` (P's loop handles notifications at least that often
-            while it holds leases, or the lease would expire anyway).
+            connector: ``min(L, 600)`` (P's loop handles notifications at least every ``L`` while it
+            holds leases, or the lease would expire anyway).
         max_remaining_s: the most an acknowledgement may claim is left on a lease, seconds (D's ``L``:
             a heartbeat never leaves more than ``max(L, E) = L``); larger claims are cut to it.
         clock: seconds (``time.perf_counter``).
@@ -110,6 +119,7 @@ class ReadGate:
         self._clock = clock
         self._reads: dict[str, _Read] = {}
         self._protected: set[str] = set()
+        self._finished: dict[str, None] = {}  # protected requests that finished on D before their read did
         self._owner: dict[tuple[str, str], str] = {}  # (agent, P request id) -> the D request reading it
         self._ended: dict[tuple[str, str], float] = {}  # (agent, P request id) -> when its read ended
         self._sent: dict[str, dict[int, float]] = {}  # P agent -> {heartbeat seq: send instant}, unacked
@@ -143,9 +153,25 @@ class ReadGate:
 
     def finish(self, request_id: str, now: float | None = None) -> None:
         """``request_id`` finished on D (served, aborted or failed): its state is dropped. A finished
-        request produces no more tokens, so a read of it still in flight needs no gate (a full
-        prefix-cache hit, which vLLM may never report as received, would otherwise stay here)."""
+        request produces no more tokens, so a read of it needs no gate (a full prefix-cache hit, which
+        vLLM may never report as received, would otherwise stay here). A read held at that moment is
+        still decided, as ``abandoned``, by the next :meth:`resolve` (vLLM frees the request's blocks
+        only once the worker reports the receive finished); a protected read still in flight is
+        ``abandoned`` too when it finishes (see :meth:`pop_finished`)."""
+        read = self._reads.get(request_id)
+        if read is not None and read.held_since is not None:
+            read.abandoned = True
+            self._protected.discard(request_id)
+            return
+        if request_id in self._protected:
+            self._finished[request_id] = None
+            _bounded(self._finished)
         self.forget(request_id, now)
+
+    def pop_finished(self, request_id: str) -> bool:
+        """Whether ``request_id`` was protected and finished on D before its read finished (forgotten
+        once asked): that read, reported done, is ``abandoned``, not ``unprotected``."""
+        return self._finished.pop(request_id, False) is None
 
     def ungate_all(self) -> None:
         """Every protected request's read is ``ungated`` (the hook could not tell which read it saw)."""
@@ -178,7 +204,7 @@ class ReadGate:
         _bounded(sent, MAX_SENT_HEARTBEATS)  # never acknowledged (lost): forgetting it loses nothing
         return self._seq
 
-    def ack(self, agent: str, seq: int, remaining_s: float, remote_request_ids) -> None:
+    def ack(self, agent: str, seq: int, remaining_s: float, remote_request_ids: Iterable[str]) -> None:
         """P acknowledged heartbeat ``seq`` of ``agent``: each lease was live with ``remaining_s``
         seconds to go (cut to ``max_remaining_s``).
 
@@ -214,7 +240,9 @@ class ReadGate:
             answers = [read.verdicts.get(agent) for agent in read.agents]
             covered = all(self._horizon.get((agent, read.remote_request_id), float("-inf")) >= read.held_since
                           for agent in read.agents)
-            if read.ungated:
+            if read.abandoned:
+                outcome = OUTCOME_ABANDONED
+            elif read.ungated:
                 outcome = OUTCOME_UNGATED
             elif any(answer is False for answer in answers):
                 outcome = OUTCOME_REAPED

@@ -7,10 +7,14 @@ label (``model_name``, ``engine``, ``tp_rank``, the remote peer, ``cause``).
 Verdict rules (first match wins; sources in brackets):
 
 - ``NO_LEASE_METRICS``: the server exports none of the catalog's ``leasekit_*`` series.
-- ``CRITICAL``: late completions > 0 (``leasekit_kv_lease_late_completions``) or vLLM's
-  ``vllm:nixl_num_notifications_after_expiry`` > 0: D read blocks of a lease P had already ended,
-  so the read may have used freed or reused KV blocks [DESIGN.md invariant 5; vllm 0.32.0
-  ``nixl/stats.py`` "the reader may have consumed KV blocks that were already reused"].
+- ``CRITICAL``: late completions > 0 from D agents that do not speak the fail-closed protocol
+  (``leasekit_kv_lease_late_completions{fail_closed!="true"}``), or vLLM's
+  ``vllm:nixl_num_notifications_after_expiry`` above LeaseKit's fail-closed late completions (a stock
+  P counts every late read there): D read blocks of a lease P had already ended, so the read may have
+  used freed or reused KV blocks [DESIGN.md invariant 5; vllm 0.32.0 ``nixl/stats.py`` "the reader
+  may have consumed KV blocks that were already reused"].
+- ``DEGRADED``: late completions from fail-closed D agents only: P told D to discard those reads
+  (docs/fail-closed.md), so they cost a recompute, not wrong tokens.
 - ``CRITICAL``: ``leasekit_kv_handshake_listener_up`` is 0 for any engine: P's NIXL side-channel
   handshake listener thread is not running, so no new D engine can connect, although ``/health``
   stays 200 [vllm 0.32.0 ``nixl/base_scheduler.py: _nixl_handshake_listener``: the stock thread dies
@@ -89,6 +93,7 @@ def remote_label(spec: m.MetricSpec) -> str:
 BREAKDOWNS: dict[str, tuple[str, str]] = {
     "expiries_by_cause": (COUNTERS["expiries"], "cause"),
     "reads_by_outcome": (COUNTERS["reads"], "outcome"),
+    "late_completions_by_fail_closed": (COUNTERS["late_completions"], "fail_closed"),
     **{f"{key}_by_{remote_label(spec)}": (spec.sample_names[0], remote_label(spec))
        for key, spec in (("expiries", m.EXPIRIES), ("late_completions", m.LATE_COMPLETIONS),
                          ("heartbeat_send_failures", m.HEARTBEAT_SEND_FAILURES))},
@@ -261,14 +266,20 @@ def verdict(summary: dict[str, Any], *, window: str = "since start") -> tuple[st
         return NO_LEASE_METRICS, reasons
     critical: list[str] = []
     degraded: list[str] = []
-    if c["late_completions"] > 0:
+    discarded_late = b.get("late_completions_by_fail_closed", {}).get("true", 0)
+    unprotected_late = c["late_completions"] - discarded_late
+    if unprotected_late > 0:
         by = ", ".join(f"{k}={v}" for k, v in b[_LATE_BY_REMOTE].items())
-        critical.append(f"{c['late_completions']} late completion(s) {window} (by {remote_label(m.LATE_COMPLETIONS)}: "
-                        f"{by}): D read "
+        critical.append(f"{_number(unprotected_late)} late completion(s) {window} from D agents that do not fail "
+                        f"closed (all late completions by {remote_label(m.LATE_COMPLETIONS)}: {by}): D read "
                         "blocks of a lease P had already ended; the read may have used freed KV blocks")
-    if c["vllm:nixl_num_notifications_after_expiry"] > 0:
+    if discarded_late > 0:
+        degraded.append(f"{_number(discarded_late)} late completion(s) {window} from fail-closed D agents: P told "
+                        "them to discard those reads (recomputed or failed per kv_load_failure_policy)")
+    if c["vllm:nixl_num_notifications_after_expiry"] > discarded_late:
         critical.append(f"vllm:nixl_num_notifications_after_expiry = {c['vllm:nixl_num_notifications_after_expiry']} "
-                        f"{window}: read completions for expired requests (vLLM's count)")
+                        f"{window}: read completions for expired requests (vLLM's count"
+                        + (f"; {_number(discarded_late)} of them were discarded by fail-closed D agents)" if discarded_late else ")"))
     listener = summary.get("listener") or {}
     if listener.get("up") == 0:
         critical.append(f"NIXL handshake listener down (engine {', '.join(listener['down_engines'])}): no new D "

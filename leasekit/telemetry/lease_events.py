@@ -44,6 +44,9 @@ class LeaseEvent:
         reclaim_lag_s: expire: end - deadline (the reaper's delay).
         step_gap_s: expire: time since P's previous engine step.
         late_by_s: late_read: time since the lease ended.
+        fail_closed: late_read: True when the reading D agent speaks the fail-closed protocol (P answered
+            ``reaped``, so D discards the read: docs/fail-closed.md), False when it does not (the read may
+            have become tokens), None when unknown.
         reason: abort: why.
     """
 
@@ -63,6 +66,7 @@ class LeaseEvent:
     reclaim_lag_s: float | None = None
     step_gap_s: float | None = None
     late_by_s: float | None = None
+    fail_closed: bool | None = None
     reason: str | None = None
 
 

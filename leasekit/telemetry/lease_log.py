@@ -9,7 +9,8 @@ are not printed twice.
 
 Levels: grant, extend, release: DEBUG (volume O(requests x heartbeats) for extends); abort: INFO;
 expire: WARNING (blocks reclaimed from a D that went silent); late read: ERROR (a read may have
-used freed blocks, DESIGN.md invariant 5). Heartbeat send failures (D): WARNING, at most one
+used freed blocks, DESIGN.md invariant 5), WARNING when the reading D fails closed (``fail_closed=true``:
+P told it to discard the read, docs/fail-closed.md). Heartbeat send failures (D): WARNING, at most one
 record per ``interval_s`` with the count of suppressed ones.
 """
 
@@ -82,6 +83,8 @@ class LeaseLogObserver:
     def __call__(self, event: LeaseEvent) -> None:
         """Log ``event`` at its kind's level; fields that are None are left out."""
         level = _LEVELS.get(event.kind, logging.INFO)
+        if event.kind == ev.LATE_READ and event.fail_closed:
+            level = logging.WARNING  # D discards that read (docs/fail-closed.md): no wrong tokens
         if not self.logger.isEnabledFor(level):
             return
         fields = {k: v for k, v in asdict(event).items() if v is not None}
@@ -94,6 +97,8 @@ class LeaseLogObserver:
             details += f" cause={event.cause}"
         if event.reclaim_lag_s is not None:
             details += f" reclaim_lag_s={event.reclaim_lag_s:.3f}"
+        if event.fail_closed is not None:
+            details += f" fail_closed={str(event.fail_closed).lower()}"
         self.logger.log(
             level,
             "kv lease %s request_id=%s tp_rank=%d engine=%s%s",

@@ -251,9 +251,11 @@ class LeaseSpanRecorder:
         """End the lease with outcome ``aborted`` (freed neither by release nor expiry). False if unknown."""
         return self._end(req_id, sc.OUTCOME_ABORTED, sc.EVENT_ABORT, now, reason=reason)
 
-    def late_read(self, req_id: str, *, remote_agent: str | None = None, now: float | None = None) -> bool:
+    def late_read(self, req_id: str, *, remote_agent: str | None = None, now: float | None = None,
+                  fail_closed: bool | None = None) -> bool:
         """Record a read completion for a lease that already ended (a zero-length
-        ``kv_lease_late_read`` span). False (nothing recorded) if ``req_id`` is open or unknown."""
+        ``kv_lease_late_read`` span; ``fail_closed``: the reading D discards the read, see
+        :attr:`LeaseEvent.fail_closed`). False (nothing recorded) if ``req_id`` is open or unknown."""
         ended = self._ended.get(req_id)
         if ended is None or req_id in self._open:
             return False
@@ -270,8 +272,11 @@ class LeaseSpanRecorder:
         }
         if remote_agent:
             attributes[sc.REMOTE_AGENT] = remote_agent
+        if fail_closed is not None:
+            attributes[sc.D_FAIL_CLOSED] = fail_closed
         self._tracer.start_span(sc.LATE_READ_SPAN_NAME, attributes=attributes).end()
-        self._emit(ev.LATE_READ, req_id, now, remote_agent=remote_agent, outcome=outcome, late_by_s=now - end_s)
+        self._emit(ev.LATE_READ, req_id, now, remote_agent=remote_agent, outcome=outcome, late_by_s=now - end_s,
+                   fail_closed=fail_closed)
         return True
 
     def abort_all(self, reason: str) -> int:

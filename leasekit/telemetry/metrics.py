@@ -130,8 +130,10 @@ ABORTS = MetricSpec(
 LATE_COMPLETIONS = MetricSpec(
     PREFIX + "late_completions", "counter",
     "Read-completion notifications for a lease that had already ended (the read may have used freed KV "
-    "blocks): counts per notification, i.e. per request per consumer rank, per P TP rank.",
-    _RANK + ("remote_agent",), "P")
+    "blocks): counts per notification, i.e. per request per consumer rank, per P TP rank. fail_closed=\"true\": "
+    "the D agent speaks the fail-closed protocol, P answered it 'reaped' and D discards the read; "
+    "fail_closed=\"false\": the read may have become tokens.",
+    _RANK + ("remote_agent", "fail_closed"), "P")
 HEARTBEATS_SENT = MetricSpec(
     PREFIX + "heartbeats_sent", "counter",
     "Heartbeat notifications D sent: counts per notification (one per remote P engine per P TP rank per "
@@ -178,8 +180,9 @@ MAX_HOLD = MetricSpec(
 READS = MetricSpec(
     PREFIX + "reads", "counter",
     "Reads of P's KV blocks D finished, by what the read gate decided (verified, reaped, timeout, "
-    "unprotected): counts per request per D TP rank. reaped and timeout reads were discarded, never "
-    "served; unprotected ones were used unchecked (stock P).", _RANK + ("outcome",), "D")
+    "ungated, unprotected, abandoned): counts per request per D TP rank. reaped, timeout and ungated reads "
+    "were discarded, never served; unprotected ones were used unchecked (stock P); abandoned ones belonged "
+    "to a request that finished on D (aborted) before the verdict.", _RANK + ("outcome",), "D")
 READ_VERDICT_WAIT = MetricSpec(
     PREFIX + "read_verdict_wait_seconds", "histogram",
     "Seconds D held a finished read back waiting for P's verdict (the fail-closed protocol's cost: one "

@@ -81,6 +81,8 @@ READ_SPAN_NAME = "kv_lease_read"
 timeout | ungated | unprotected (reaped, timeout and ungated reads were discarded: vLLM's
 ``kv_load_failure_policy``)."""
 READ_OUTCOME = "leasekit.read_outcome"
+D_FAIL_CLOSED = "leasekit.d_fail_closed"
+"""kv_lease_late_read: whether the reading D discards the read (it speaks the fail-closed protocol)."""
 READ_VERDICT_WAIT_S = "leasekit.read_verdict_wait_s"
 READ_AGENTS = "leasekit.read_agents"
 READ_DISCARDED_OUTCOMES = ("reaped", "timeout", "ungated")

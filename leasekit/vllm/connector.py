@@ -16,7 +16,7 @@ and replaces one: P's notification handling (``_get_new_notifs``: extend, retrie
 reads) is :class:`leasekit.vllm.notifs.PNotificationHandling`, which parses every notification with
 leasekit's codecs, drops and counts malformed, unknown, duplicate and foreign ones instead of raising
 in P's engine loop, binds each lease to the first D agent that touches it, and caps a lease's total
-life (``leasekit_max_hold_s``, default 480 s). The scheduler's side-channel handshake listener
+life (``leasekit_max_hold_s``, default max(480 s, L)). The scheduler's side-channel handshake listener
 (``_nixl_handshake_listener``, ``base_scheduler.py``) is replaced as well: :mod:`leasekit.vllm.listener`
 refuses, counts and survives malformed handshake requests, and its liveness reaches ``/metrics``
 through the scheduler-role ``get_kv_connector_stats``.
@@ -34,7 +34,7 @@ carried a W3C ``traceparent`` (vLLM's ``Request.trace_headers``).
 
 Configuration (``kv_connector_extra_config``): ``kv_lease_duration`` (vLLM's own),
 ``leasekit_run_dir`` (span directory; default env ``LEASEKIT_RUN_DIR``, else ``./leasekit-run``),
-``leasekit_max_hold_s`` (seconds, ``[L, 86400]``, default 480), ``leasekit_max_notification_bytes``
+``leasekit_max_hold_s`` (seconds, ``[L, max(L, 86400)]``, default ``max(480, L)``), ``leasekit_max_notification_bytes``
 (``[1024, 64 MiB]``, default 1 MiB), ``leasekit_verdict_timeout_s`` (D: seconds to wait for P's
 verdict on a read, ``[0.05, 86400]``, default ``min(L, 600)``), ``leasekit_fail_closed`` (P: mark
 requests for the fail-closed protocol; default false); an out-of-range value stops the engine at
@@ -71,22 +71,29 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (  # n
     NixlPullConnectorWorker,
 )
 from vllm.logger import init_logger  # noqa: E402
-from vllm.utils.network_utils import make_zmq_path  # noqa: E402
 
 from leasekit.lease.config import DEFAULT_LEASE_DURATION_S, LeaseTiming  # noqa: E402
 from leasekit.telemetry.decode_spans import HeartbeatSpanRecorder  # noqa: E402
 from leasekit.telemetry.lease_log import LeaseLogObserver, RateLimitedWarning, lease_logger  # noqa: E402
 from leasekit.telemetry.lease_spans import LeaseSpanRecorder  # noqa: E402
 from leasekit.telemetry.provider import build_tracer_provider  # noqa: E402
-from leasekit.lease.codec import PROTOCOL_PARAM, PROTOCOL_VERSION  # noqa: E402
-from leasekit.vllm.dgate import DReadGating, fail_closed_enabled, verdict_timeout  # noqa: E402
+from leasekit.lease.settings import fail_closed_enabled, notification_settings, verdict_timeout  # noqa: E402
+from leasekit.vllm.dgate import DReadGating  # noqa: E402
 from leasekit.vllm.dheartbeats import DHeartbeats  # noqa: E402
-from leasekit.vllm.faultpoints import FAULT_FILE_ENV, FaultPoints  # noqa: E402
+from leasekit.vllm.faultpoints import FaultPoints  # noqa: E402
 from leasekit.vllm.kvdigest import KV_DIGEST_ATTR, kv_digest  # noqa: E402
-from leasekit.vllm.listener import ListenerHealth, serve_handshakes  # noqa: E402
-from leasekit.vllm.notifs import PNotificationHandling, notification_settings  # noqa: E402
+from leasekit.vllm.notifs import PNotificationHandling  # noqa: E402
+from leasekit.vllm.scheduler import (  # noqa: E402
+    METADATA_BLOCK_IDS_ATTR,
+    METADATA_BLOCKS_ATTR,
+    METADATA_FINISHED_ATTR,
+    METADATA_PROTECTED_ATTR,
+    METADATA_TRACE_ATTR,
+    METADATA_TRACKED_ATTR,
+    METADATA_UNTRACKED_ATTR,
+    LeaseKitPullScheduler,
+)
 from leasekit.vllm.stats import LeaseKitKVConnectorStats, LeaseKitPromMetrics, LeaseStatsObserver  # noqa: E402
-from leasekit.vllm.stats import ListenerStatsReporter  # noqa: E402
 from leasekit.vllm.taps import NotificationTap, TelemetryErrors  # noqa: E402
 
 check_hooks(NixlPullConnectorWorker, REQUIRED_WORKER_METHODS)
@@ -95,129 +102,17 @@ check_hooks(NixlPullConnectorScheduler, REQUIRED_SCHEDULER_METHODS)
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
-    from vllm.v1.request import Request
 
 logger = init_logger("vllm.leasekit.connector")
 
 RUN_DIR_ENV = "LEASEKIT_RUN_DIR"
 RUN_DIR_EXTRA_KEY = "leasekit_run_dir"
 DEFAULT_RUN_DIR = "leasekit-run"
-METADATA_BLOCKS_ATTR = "leasekit_kv_blocks"
-METADATA_TRACE_ATTR = "leasekit_trace_headers"
-METADATA_TRACKED_ATTR = "leasekit_tracked"
-METADATA_UNTRACKED_ATTR = "leasekit_untracked"
-METADATA_PROTECTED_ATTR = "leasekit_protected"
-METADATA_FINISHED_ATTR = "leasekit_finished"
-METADATA_BLOCK_IDS_ATTR = "leasekit_kv_block_ids"
 
 
 def _run_dir(kv_transfer_config: Any) -> str:
     configured = kv_transfer_config.get_from_extra_config(RUN_DIR_EXTRA_KEY, None)
     return str(configured or os.environ.get(RUN_DIR_ENV) or DEFAULT_RUN_DIR)
-
-
-class LeaseKitPullScheduler(NixlPullConnectorScheduler):
-    """Scheduler side: stock behaviour; also hands the workers each new lease's KV block count and
-    trace headers (P), and the requests D starts and stops heartbeating (D); runs a side-channel
-    handshake listener that survives bad requests (:mod:`leasekit.vllm.listener`) and reports its
-    health (P)."""
-
-    def __init__(self, vllm_config: "VllmConfig", engine_id: str, kv_cache_config: "KVCacheConfig"):
-        super().__init__(vllm_config, engine_id, kv_cache_config)
-        self._leasekit_blocks: dict[str, int] = {}
-        self._leasekit_trace: dict[str, dict[str, str]] = {}
-        self._leasekit_tracked: list[list[Any]] = []
-        self._leasekit_untracked: list[str] = []
-        self._leasekit_protected: list[list[Any]] = []
-        self._leasekit_finished: list[str] = []
-        self._lk_protected_ids: set[str] = set()
-        self._lk_fail_closed = fail_closed_enabled(vllm_config.kv_transfer_config)
-        self._leasekit_block_ids: dict[str, list[int]] = {}  # only with fault points (kvdigest.py)
-        self._lk_digests = bool(os.environ.get(FAULT_FILE_ENV))
-        self._lk_listener = ListenerHealth()
-        self._lk_listener_stats = ListenerStatsReporter()
-        self._lk_listener_report = bool(vllm_config.kv_transfer_config.is_kv_producer)
-        self._lk_listener_warning = RateLimitedWarning(logger)
-
-    # -- handshake listener (P) ------------------------------------------------------------
-    def _nixl_handshake_listener(self, encoded_data: dict, ready_event: Any, stop_event: Any, host: str,
-                                 port: int) -> None:
-        """Replaces vLLM's static ``_nixl_handshake_listener``: ``set_xfer_handshake_metadata`` starts
-        the thread with target ``self._nixl_handshake_listener`` and these positional args (vllm 0.32.0
-        ``nixl/base_scheduler.py``). Same ROUTER socket on vLLM's ``make_zmq_path`` and the same replies
-        for good requests; a bad one is refused, counted and survived
-        (:func:`leasekit.vllm.listener.serve_handshakes`). Returns only when ``stop_event`` is set
-        (``shutdown``)."""
-        serve_handshakes(encoded_data, ready_event, stop_event, make_zmq_path("tcp", host, port), self._lk_listener)
-
-    def listener_stats(self) -> LeaseKitKVConnectorStats | None:
-        """The listener's health as connector stats when it changed, else None; None as well on a
-        consumer-only engine (in pull mode no D handshakes with D) and before the listener starts.
-        Up means the thread is alive (seen from here) and its socket is bound and serving."""
-        try:
-            thread = getattr(self, "_nixl_handshake_listener_t", None)
-            if not self._lk_listener_report or thread is None:
-                return None
-            up, served, bad = self._lk_listener.snapshot()
-            return self._lk_listener_stats.report(up and thread.is_alive(), served, bad)
-        except Exception as exc:  # telemetry must never stop the engine loop
-            self._lk_listener_warning.warn("LeaseKit: handshake listener stats failed: %s: %s",
-                                           type(exc).__name__, exc, event="listener_stats_error")
-            return None
-
-    def request_finished(self, request: "Request", block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
-        """Stock ``request_finished``; records ``sum(len(group))`` blocks for a delayed free (a lease)
-        and the request's W3C trace headers, if it had any."""
-        delay_free, params = super().request_finished(request, block_ids)
-        if request.request_id in self._lk_protected_ids:  # D: the read gate's state for it ends
-            self._lk_protected_ids.discard(request.request_id)
-            self._leasekit_finished.append(request.request_id)
-        if self._lk_fail_closed and delay_free and isinstance(params, dict) and params.get("do_remote_prefill"):
-            params[PROTOCOL_PARAM] = PROTOCOL_VERSION  # D may hold its read for P's verdict (dgate.py)
-        if delay_free and request.request_id in self._reqs_need_send:
-            self._leasekit_blocks[request.request_id] = sum(len(group) for group in block_ids)
-            if self._lk_digests and block_ids:
-                self._leasekit_block_ids[request.request_id] = list(block_ids[0])
-            headers = getattr(request, "trace_headers", None)
-            if headers:
-                self._leasekit_trace[request.request_id] = dict(headers)
-        return delay_free, params
-
-    def on_new_request(self, request: "Request") -> None:
-        """Stock tracking (D); a request it starts heartbeating is handed to the workers as
-        ``[P request id, P engine id, D request id, trace headers]``."""
-        super().on_new_request(request)
-        params = request.kv_transfer_params
-        if params and params.get("do_remote_prefill") and params.get(PROTOCOL_PARAM) == PROTOCOL_VERSION:
-            self._leasekit_protected.append([request.request_id, params.get("remote_engine_id")])
-            self._lk_protected_ids.add(request.request_id)
-        key = self._heartbeat_req_engine.get(request.request_id)
-        if key is not None:
-            headers = getattr(request, "trace_headers", None)
-            self._leasekit_tracked.append([key[1], key[0], request.request_id, dict(headers) if headers else None])
-
-    def _stop_heartbeat(self, req_id: str) -> None:
-        """Stock; a request it stops heartbeating is handed to the workers (P's request id)."""
-        key = self._heartbeat_req_engine.get(req_id)
-        super()._stop_heartbeat(req_id)
-        if key is not None:
-            self._leasekit_untracked.append(key[1])
-
-    def build_connector_meta(self, scheduler_output: Any) -> Any:
-        """Stock metadata plus this step's ``leasekit_kv_blocks`` (req_id -> blocks),
-        ``leasekit_trace_headers`` (req_id -> headers), ``leasekit_tracked`` and ``leasekit_untracked``."""
-        meta = super().build_connector_meta(scheduler_output)
-        setattr(meta, METADATA_BLOCKS_ATTR, self._leasekit_blocks)
-        setattr(meta, METADATA_TRACE_ATTR, self._leasekit_trace)
-        setattr(meta, METADATA_TRACKED_ATTR, self._leasekit_tracked)
-        setattr(meta, METADATA_UNTRACKED_ATTR, self._leasekit_untracked)
-        setattr(meta, METADATA_PROTECTED_ATTR, self._leasekit_protected)
-        setattr(meta, METADATA_FINISHED_ATTR, self._leasekit_finished)
-        setattr(meta, METADATA_BLOCK_IDS_ATTR, self._leasekit_block_ids)
-        self._leasekit_blocks, self._leasekit_trace, self._leasekit_block_ids = {}, {}, {}
-        self._leasekit_tracked, self._leasekit_untracked, self._leasekit_protected = [], [], []
-        self._leasekit_finished = []
-        return meta
 
 
 class LeaseKitPullWorker(DHeartbeats, DReadGating, PNotificationHandling, NixlPullConnectorWorker):
@@ -258,7 +153,8 @@ class LeaseKitPullWorker(DHeartbeats, DReadGating, PNotificationHandling, NixlPu
             kv_role=kv_role,
             observers=(self._lk_stats, LeaseLogObserver()),
         )
-        self._lk_init_notifications(max_hold_s, max_bytes)
+        self._lk_init_notifications(max_hold_s, max_bytes,
+                                    fail_closed=bool(self.kv_transfer_config.is_kv_producer and fail_closed_enabled(self.kv_transfer_config)))
         self._lk_init_gate(verdict_timeout(self.kv_transfer_config, timing.lease_duration_s),
                            timing.lease_duration_s, tracer)
         self._lk_hb = HeartbeatSpanRecorder(tracer, engine_id=engine_id, tp_rank=self.tp_rank, kv_role=kv_role)
@@ -373,8 +269,14 @@ class LeaseKitConnector(NixlPullConnector):
     """vLLM's pull-mode NixlConnector with lease spans on every P worker.
 
     Load with ``kv_connector="LeaseKitConnector"`` and
-    ``kv_connector_module_path="leasekit.vllm.connector"``. Raises
-    :class:`leasekit.vllm.version.UnsupportedVllmError` at import on an unsupported vLLM release.
+    ``kv_connector_module_path="leasekit.vllm.connector"``.
+
+    Raises:
+        leasekit.vllm.version.UnsupportedVllmError: at import, on an unsupported vLLM release.
+        leasekit.lease.config.LeaseConfigError, leasekit.lease.settings.NotificationConfigError,
+        leasekit.lease.settings.ReadGateConfigError: at start (worker role), a ``kv_lease_duration`` or
+            ``leasekit_*`` value out of range; the message names the field, the range and the fix
+            (``leasekit lint`` reports the same before a start).
     """
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):

@@ -4,8 +4,9 @@ A read of P's KV blocks becomes tokens only after P confirmed that the lease cov
 (:class:`leasekit.lease.readgate.ReadGate`). Hooks of vllm 0.32.0 (``.../kv_connector/v1/nixl/``):
 
 - ``_read_blocks`` (``pull_worker.py``): before the first read from a P agent for a request P marked
-  with ``leasekit_protocol``, send that agent ``LK1:HELLO:<NIXL partial agent metadata>`` (connection
-  info only) so that P can notify D back; record which P agents must answer for the request;
+  with ``leasekit_protocol``, say hello to that agent: a heartbeat whose only id is
+  ``LK1~H~<base64 NIXL partial agent metadata>`` (connection info only; a stock P ignores an id it does
+  not hold) so that P can notify D back; record which P agents must answer for the request;
 - ``_pop_done_transfers`` (``base_worker.py``) for ``_recving_transfers``: a protected read that finished
   is held back instead of reported done (its deferred mixed-memory completions are sent now, so P hears
   of it); each step, held reads are decided: ``verified`` ones are reported done, ``reaped`` and
@@ -26,8 +27,10 @@ from typing import Any
 
 from leasekit.lease.codec import encode_hello, sequence_token
 from leasekit.lease.readgate import (
+    OUTCOME_ABANDONED,
+    OUTCOME_TIMEOUT,
     OUTCOME_UNPROTECTED,
-    OUTCOME_VERIFIED,
+    RELEASED_OUTCOMES,
     USE,
     GateResult,
     ReadGate,
@@ -37,53 +40,6 @@ from leasekit.telemetry import semconv as sc
 from leasekit.telemetry.lease_log import RateLimitedWarning, lease_logger
 from leasekit.vllm.kvdigest import KV_DIGEST_ATTR, kv_digest
 
-VERDICT_TIMEOUT_EXTRA_KEY = "leasekit_verdict_timeout_s"
-VERDICT_TIMEOUT_RANGE_S = (0.05, 86400.0)
-DEFAULT_VERDICT_TIMEOUT_CAP_S = 600.0
-
-
-class ReadGateConfigError(ValueError):
-    """``leasekit_verdict_timeout_s`` is out of range (message: field, value, allowed range, fix)."""
-
-
-def verdict_timeout(extra_config: Any, lease_duration_s: float) -> float:
-    """Seconds D waits for P's verdicts on one read: ``kv_connector_extra_config.leasekit_verdict_timeout_s``,
-    default ``min(L, 600)`` (while P holds leases its loop handles notifications at least every ``L``,
-    or they expire anyway).
-
-    Raises:
-        ReadGateConfigError: not a number of seconds in ``[0.05, 86400]``.
-    """
-    get = getattr(extra_config, "get_from_extra_config", None) or (lambda k, d: extra_config.get(k, d))
-    value = get(VERDICT_TIMEOUT_EXTRA_KEY, min(float(lease_duration_s), DEFAULT_VERDICT_TIMEOUT_CAP_S))
-    low, high = VERDICT_TIMEOUT_RANGE_S
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise ReadGateConfigError(
-            f"kv_connector_extra_config.{VERDICT_TIMEOUT_EXTRA_KEY}={value!r}: must be seconds in [{low:g}, {high:g}]; "
-            f"fix: leave it unset (min(kv_lease_duration, {DEFAULT_VERDICT_TIMEOUT_CAP_S:g}) s)"
-        )
-    return float(value)
-
-
-FAIL_CLOSED_EXTRA_KEY = "leasekit_fail_closed"
-
-
-def fail_closed_enabled(extra_config: Any) -> bool:
-    """Whether P turns on the fail-closed protocol: ``kv_connector_extra_config.leasekit_fail_closed``
-    (bool, default False). Off by default: with it on, P opens NIXL connections back to D agents, and
-    UCX was seen to crash P's worker when such a D was SIGKILLed (docs/fail-closed.md).
-
-    Raises:
-        ReadGateConfigError: not a bool.
-    """
-    get = getattr(extra_config, "get_from_extra_config", None) or (lambda k, d: extra_config.get(k, d))
-    value = get(FAIL_CLOSED_EXTRA_KEY, False)
-    if not isinstance(value, bool):
-        raise ReadGateConfigError(
-            f"kv_connector_extra_config.{FAIL_CLOSED_EXTRA_KEY}={value!r}: must be true or false; fix: a JSON "
-            "boolean, or leave it unset (false)"
-        )
-    return value
 
 
 def partial_agent_metadata(nixl_wrapper: Any) -> bytes:
@@ -122,6 +78,7 @@ class DReadGating:
         failed): their gate state ends (an undecided read of theirs will never be served)."""
         for request_id in request_ids or ():
             self._lk_gate.finish(request_id)
+            self._lk_read_digests.pop(request_id, None)
 
     def _lk_hello_engines(self, heartbeat_by_engine: Any) -> None:
         """Before heartbeating a P engine known to speak the protocol (handshake done), say hello to its
@@ -179,7 +136,8 @@ class DReadGating:
 
     def _pop_done_transfers(self, transfers: dict[str, list[int]]) -> tuple[set[str], set[str]]:
         """Stock polling; finished protected reads are held back, and held reads P answered (or that
-        timed out) are reported done (verified) or failed (reaped, timeout)."""
+        timed out) are reported done (verified; abandoned: the request already finished on D) or failed
+        (reaped, timeout, ungated)."""
         done, failed = super()._pop_done_transfers(transfers)
         if transfers is not self._recving_transfers:
             return done, failed
@@ -198,14 +156,15 @@ class DReadGating:
                 else:
                     meta = self._recving_metadata.get(request_id)
                     remote = getattr(getattr(meta, "remote", None), "request_id", "")
-                    decided.append(GateResult(request_id, remote, OUTCOME_UNPROTECTED, 0.0))
+                    outcome = OUTCOME_ABANDONED if self._lk_gate.pop_finished(request_id) else OUTCOME_UNPROTECTED
+                    decided.append(GateResult(request_id, remote, outcome, 0.0))
             except Exception as exc:  # fail closed: a read we could not gate is not served
                 self._lk_errors.report("read gate", exc)
                 done.discard(request_id)
                 failed.add(request_id)
         try:
             for result in self._lk_gate.resolve(now):
-                if result.outcome == OUTCOME_VERIFIED:
+                if result.outcome in RELEASED_OUTCOMES:  # verified, or abandoned: vLLM frees its blocks
                     done.add(result.request_id)
                 else:
                     failed.add(result.request_id)
@@ -224,6 +183,8 @@ class DReadGating:
 
     def _lk_record_read(self, result: GateResult, now: float) -> None:
         self._lk_stats.read(result.outcome, result.wait_s)
+        if result.outcome == OUTCOME_TIMEOUT:  # P may have unloaded this D's agent (or restarted): hello again
+            self._lk_hello_sent.difference_update(agent_name(a) for a in result.agents)
         digest = self._lk_read_digests.pop(result.request_id, None)
         start_ns = time.time_ns() - int(result.wait_s * 1e9)
         parent = self._lk_hb.context_of(result.remote_request_id)  # the request's trace, if D tracks it

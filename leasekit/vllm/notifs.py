@@ -16,11 +16,11 @@ request in ``_reqs_to_send``/``_reqs_to_process`` counts one consumer, and the b
 - a completion for a request P never held is ``unknown_id`` (stock counts it as a late read); one for a
   lease that already ended is a late read (span, metric, rate-limited WARNING, vLLM's
   ``notifications_after_expiry`` counter);
-- max hold: no heartbeat extends a lease past ``grant + max_hold_s`` (default 480 s,
+- max hold: no heartbeat extends a lease past ``grant + max_hold_s`` (default max(480 s, L),
   ``leasekit_max_hold_s``); such a lease expires with cause ``max_hold``;
 - the LeaseKit protocol (docs/fail-closed.md): a hello (the heartbeat id ``LK1~H~<base64 metadata>``)
   from a D agent adds that agent (connection info only; one naming another agent is unloaded and
-  dropped as ``bad_hello``; at most 1024 are kept) so P can notify it; every completion from such an agent is answered
+  dropped as ``bad_hello``; at most 1024 are kept, the least recently used unloaded first) so P can notify it; every completion from such an agent is answered
   with a verdict ``LK1:V:ok|reaped:<id>`` (``ok`` iff the lease was live when P handled it); ``ok``
   verdicts for an agent whose hello has not arrived yet are kept (bounded) and sent when it does. Every heartbeat
   from such an agent that carries D's sequence token ``LK1~<n>`` is acknowledged,
@@ -41,7 +41,6 @@ from typing import Any
 
 from leasekit.lease.binding import DUPLICATE, FOREIGN, RELEASED, LeaseBinding
 from leasekit.lease.codec import (
-    DEFAULT_MAX_BYTES,
     Ack,
     Completion,
     DecodeError,
@@ -57,12 +56,6 @@ from leasekit.lease.readgate import agent_name
 from leasekit.telemetry import lease_events as ev
 from leasekit.telemetry.lease_log import RateLimitedWarning, lease_logger
 
-DEFAULT_MAX_HOLD_S = 480.0
-"""Default hard cap on one lease's total life, seconds (vLLM's old ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``)."""
-
-MAX_HOLD_EXTRA_KEY = "leasekit_max_hold_s"
-MAX_BYTES_EXTRA_KEY = "leasekit_max_notification_bytes"
-MAX_BYTES_LIMIT = 64 << 20
 MAX_PENDING_VERDICTS_PER_AGENT = 256
 """Verdicts kept for one D agent whose hello has not arrived (the oldest go first)."""
 MAX_PENDING_AGENTS = 64
@@ -71,37 +64,6 @@ MAX_PROTOCOL_AGENTS = 1024
 """D agents P keeps loaded from hellos (each holds a UCX endpoint); beyond it the oldest is unloaded."""
 
 
-class NotificationConfigError(ValueError):
-    """``leasekit_max_hold_s`` or ``leasekit_max_notification_bytes`` is out of range (message: field,
-    value, allowed range, fix)."""
-
-
-def notification_settings(extra_config: Any, lease_duration_s: float) -> tuple[float, int]:
-    """Read and check ``(max_hold_s, max_notification_bytes)`` from ``kv_connector_extra_config``.
-
-    Args:
-        extra_config: vLLM's ``KVTransferConfig`` (``get_from_extra_config``) or a plain mapping.
-        lease_duration_s: ``L`` in seconds; the cap must be at least ``L``.
-
-    Raises:
-        NotificationConfigError: max hold not a number in ``[L, 86400]`` seconds, or max bytes not an
-            integer in ``[1024, 64 MiB]``.
-    """
-    get = getattr(extra_config, "get_from_extra_config", None) or (lambda k, d: extra_config.get(k, d))
-    max_hold = get(MAX_HOLD_EXTRA_KEY, DEFAULT_MAX_HOLD_S)
-    max_bytes = get(MAX_BYTES_EXTRA_KEY, DEFAULT_MAX_BYTES)
-    if isinstance(max_hold, bool) or not isinstance(max_hold, (int, float)) or not lease_duration_s <= max_hold <= 86400:
-        raise NotificationConfigError(
-            f"kv_connector_extra_config.{MAX_HOLD_EXTRA_KEY}={max_hold!r}: must be seconds in "
-            f"[kv_lease_duration={lease_duration_s}, 86400]; fix: leave it unset (480) or raise it to >= "
-            f"kv_lease_duration"
-        )
-    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or not 1024 <= max_bytes <= MAX_BYTES_LIMIT:
-        raise NotificationConfigError(
-            f"kv_connector_extra_config.{MAX_BYTES_EXTRA_KEY}={max_bytes!r}: must be an integer number of "
-            f"bytes in [1024, {MAX_BYTES_LIMIT}]; fix: leave it unset ({DEFAULT_MAX_BYTES})"
-        )
-    return float(max_hold), max_bytes
 
 
 class PNotificationHandling:
@@ -110,7 +72,12 @@ class PNotificationHandling:
     LeaseKit's ``_lk`` span recorder and ``_lk_stats``). Call :meth:`_lk_init_notifications` in
     ``__init__`` after those exist."""
 
-    def _lk_init_notifications(self, max_hold_s: float, max_bytes: int) -> None:
+    def _lk_init_notifications(self, max_hold_s: float, max_bytes: int, *, fail_closed: bool) -> None:
+        """``max_hold_s``: seconds (see :func:`notification_settings`); ``max_bytes``: the largest
+        notification handled; ``fail_closed``: this P speaks the fail-closed protocol
+        (``leasekit_fail_closed``); when False hellos are ignored, as a stock P does, and P never loads
+        a D agent nor notifies one (no verdicts, no acknowledgements)."""
+        self._lk_fail_closed = fail_closed
         self._lk_binding = LeaseBinding()
         self._lk_max_hold_s = max_hold_s
         self._lk_max_bytes = max_bytes
@@ -170,7 +137,8 @@ class PNotificationHandling:
                 self._lk_unload(name)
             self._lk_drop("bad_hello", agent, f"hello names agent {name!r}, not its sender")
             return
-        if len(self._lk_protocol_agents) >= MAX_PROTOCOL_AGENTS:  # oldest first: its D, if alive, times out
+        if len(self._lk_protocol_agents) >= MAX_PROTOCOL_AGENTS:  # least recently used: its D, if alive, times
+            # out one read and then says hello again (dgate.py)
             self._lk_unload(next(iter(self._lk_protocol_agents)))
         self._lk_protocol_agents[agent] = None
         lease_logger().info("LeaseKit: D agent %s speaks the fail-closed protocol; its reads get verdicts", agent)
@@ -186,13 +154,18 @@ class PNotificationHandling:
             self._lk_drop("bad_hello", name, f"could not unload agent: {type(exc).__name__}: {exc}")
 
     def _lk_verdict(self, agent: str, req_id: str, ok: bool) -> None:
-        """Answer one completion (see module docstring); keep it if the agent's hello is still due."""
-        msg = encode_verdict(req_id, ok)
+        """Answer one completion (see module docstring); keep it if the agent's hello is still due.
+        Nothing when this P does not speak the protocol."""
+        if not self._lk_fail_closed:
+            return
         if agent in self._lk_protocol_agents:
-            self._lk_send_verdict_bytes(agent, msg)
+            del self._lk_protocol_agents[agent]  # most recently used last: the cap unloads idle agents first
+            self._lk_protocol_agents[agent] = None
+            self._lk_send_verdict_bytes(agent, encode_verdict(req_id, ok))
             return
         if not ok or len(req_id) > MAX_HEARTBEAT_ID_CHARS:
             return  # only a live lease's verdict is kept for a hello still due (a stock D never says one)
+        msg = encode_verdict(req_id, ok)
         pending = self._lk_pending_verdicts.get(agent)
         if pending is None:
             if len(self._lk_pending_verdicts) >= MAX_PENDING_AGENTS:
@@ -200,10 +173,15 @@ class PNotificationHandling:
             pending = self._lk_pending_verdicts[agent] = deque(maxlen=MAX_PENDING_VERDICTS_PER_AGENT)
         pending.append(msg)
 
-    def _lk_send_verdict_bytes(self, agent: str, msg: bytes) -> None:
+    def _lk_send_verdict_bytes(self, agent: str, msg: bytes, *, ack: bool = False) -> None:
+        """Send a verdict (or, with ``ack``, a heartbeat acknowledgement) to a D agent; a failed verdict
+        is counted and logged (rate-limited), a failed acknowledgement is not: it only costs D its fast
+        path, and D's own heartbeat-failure accounting sees the broken link."""
         try:
             self.nixl_wrapper.send_notif(agent, notif_msg=msg)
         except Exception as exc:  # D then times out and discards the read: safe, and logged here
+            if ack:
+                return
             self._lk_stats.verdict_send_failed()
             self._lk_verdict_warning.warn(
                 "LeaseKit: could not send a read verdict to D agent %s (%s: %s); D will discard that read "
@@ -214,7 +192,7 @@ class PNotificationHandling:
     def _lk_heartbeat(self, agent: str, req_ids: tuple[str, ...], now: float) -> None:
         extension = self._lease_extension
         seq, hello, req_ids = split_protocol_ids(req_ids)
-        if hello is not None:
+        if hello is not None and self._lk_fail_closed:
             self._lk_hello(agent, hello)
         acked: list[str] = []
         remaining = float("inf")
@@ -231,7 +209,7 @@ class PNotificationHandling:
             acked.append(req_id)
             remaining = min(remaining, new - now)
         if seq is not None and agent in self._lk_protocol_agents:
-            self._lk_send_verdict_bytes(agent, encode_ack(seq, remaining if acked else 0.0, acked))
+            self._lk_send_verdict_bytes(agent, encode_ack(seq, remaining if acked else 0.0, acked), ack=True)
 
     def _lk_cap(self, req_id: str, deadline: float) -> float:
         grant = self._lk.grant_time(req_id)
@@ -242,12 +220,14 @@ class PNotificationHandling:
         live = req_id in self._reqs_to_send or req_id in self._reqs_to_process
         self._lk_verdict(agent, req_id, live)  # before anything can raise: D must hear, whatever happens
         if not live:
-            if self._lk.late_read(req_id, remote_agent=agent, now=now):
+            fail_closed = agent in self._lk_protocol_agents  # it hears "reaped" and discards the read
+            if self._lk.late_read(req_id, remote_agent=agent, now=now, fail_closed=fail_closed):
                 self.xfer_stats.record_notification_after_expiry()
                 self._lk_late_warning.warn(
                     "LeaseKit: D agent %s finished reading KV blocks of request %s after P ended its lease; "
-                    "the blocks may have been freed or reused before the read", agent, req_id,
-                    event="late_read", request_id=req_id, remote_agent=agent,
+                    "the blocks may have been freed or reused before the read%s", agent, req_id,
+                    " (D speaks the fail-closed protocol: told to discard it)" if fail_closed else "",
+                    event="late_read", request_id=req_id, remote_agent=agent, fail_closed=fail_closed,
                 )
             else:
                 self._lk_drop("unknown_id", agent, f"completion for request {req_id} P never held")

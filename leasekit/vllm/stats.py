@@ -33,7 +33,7 @@ from leasekit.telemetry.lease_events import LeaseEvent
 GRANTS = "lk_grants"  # [rank]
 EXTENSIONS = "lk_extensions"  # [rank, remote_agent, gap_s]
 ENDS = "lk_ends"  # [rank, outcome, hold_s, remote_agent, cause, reclaim_lag_s]
-LATE = "lk_late"  # [rank, remote_agent]
+LATE = "lk_late"  # [rank, remote_agent, fail_closed ("true"|"false")]
 HEARTBEATS = "lk_heartbeats"  # [rank, remote_engine_id, ok (1|0)]
 STATE = "lk_state"  # [rank, active, pinned_blocks, expiring_soon]  latest wins
 CONFIG = "lk_config"  # [rank, kv_role, L, H, E]
@@ -103,7 +103,7 @@ class LeaseStatsObserver:
                 [rank, event.outcome, float(event.hold_s or 0.0), remote, event.cause or "", event.reclaim_lag_s]
             )
         elif event.kind == ev.LATE_READ:
-            data[LATE].append([rank, remote])
+            data[LATE].append([rank, remote, "true" if event.fail_closed else "false"])
 
     def heartbeat(self, remote_engine_id: str, ok: bool) -> None:
         """Record one heartbeat notification D sent (``ok``) or failed to send to ``remote_engine_id``."""
@@ -215,7 +215,8 @@ class LeaseKitPromMetrics(NixlPromMetrics):
             for label in spec.labels[1:]:  # tp_rank first
                 values = {"cause": m.EXPIRY_CAUSES,
                           "outcome": m.READ_OUTCOMES if spec is m.READS else m.HOLD_OUTCOMES,
-                          "reason": m.NOTIFICATION_DROP_REASONS}.get(label, (m.UNKNOWN_REMOTE,))
+                          "reason": m.NOTIFICATION_DROP_REASONS,
+                          "fail_closed": ("false",)}.get(label, (m.UNKNOWN_REMOTE,))
                 extra = [e + [v] for e in extra for v in values]
             for values in extra:
                 self._child(spec, engine_idx, rank, *values)
@@ -239,8 +240,8 @@ class LeaseKitPromMetrics(NixlPromMetrics):
                     self._child(m.RECLAIM_LAG, engine_idx, rank).observe(max(0.0, lag_s))
             else:
                 self._child(m.ABORTS, engine_idx, rank).inc()
-        for rank, remote in d.get(LATE, ()):
-            self._child(m.LATE_COMPLETIONS, engine_idx, rank, remote).inc()
+        for rank, remote, *fail_closed in d.get(LATE, ()):
+            self._child(m.LATE_COMPLETIONS, engine_idx, rank, remote, (fail_closed or ["false"])[0]).inc()
         for rank, remote_engine, ok in d.get(HEARTBEATS, ()):
             spec = m.HEARTBEATS_SENT if ok else m.HEARTBEAT_SEND_FAILURES
             self._child(spec, engine_idx, rank, remote_engine).inc()

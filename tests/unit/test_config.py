@@ -260,3 +260,39 @@ def test_findings_come_in_a_fixed_order():
     config = _cfg("kv_both", kv_lease_duration=1, decoder_kv_blocks_ttl=-1)
     fields = [f.field for f in lint_kv_transfer_config(config)]
     assert fields == ["kv_role", L_FIELD, L_FIELD, TTL_FIELD]
+
+
+def _leasekit(role="kv_producer", policy=None, **extra):
+    doc = {"kv_connector": "LeaseKitConnector", "kv_role": role, "kv_connector_extra_config": {"kv_lease_duration": 6, **extra}}
+    if policy:
+        doc["kv_load_failure_policy"] = policy
+    return json.dumps(doc)
+
+
+def test_leasekit_keys_are_linted_as_the_connector_refuses_them():
+    """leasekit_* keys: lint reports what LeaseKitConnector refuses at start (leasekit/lease/settings.py),
+    a misspelled key with the closest real one, and a key the role ignores."""
+    by_field = {f.field: f for f in lint_kv_transfer_config(_leasekit(leasekit_fail_closed="yes", leasekit_failclosed=True))}
+    bad = by_field["kv_connector_extra_config.leasekit_fail_closed"]
+    assert bad.severity == "error" and "must be true or false" in bad.message and "JSON boolean" in bad.fix
+    typo = by_field["kv_connector_extra_config.leasekit_failclosed"]
+    assert typo.severity == "warning" and typo.fix == "did you mean leasekit_fail_closed?"
+    findings = lint_kv_transfer_config(_leasekit("kv_consumer", "recompute", leasekit_fail_closed=True, leasekit_max_hold_s=3))
+    assert [(f.field, f.severity) for f in findings] == [
+        ("kv_connector_extra_config.leasekit_max_hold_s", "error"),  # 3 < L = 6
+        ("kv_connector_extra_config.leasekit_fail_closed", "warning"),  # only P reads it
+        ("kv_connector_extra_config.leasekit_max_hold_s", "warning"),
+    ]
+    assert "[kv_lease_duration=6, 86400]" in findings[0].message
+
+
+def test_a_long_lease_needs_no_max_hold_and_a_clean_leasekit_config_has_no_findings():
+    assert lint_kv_transfer_config(_leasekit(kv_lease_duration=600)) == []  # default max(480, L)
+    assert lint_kv_transfer_config(_leasekit("kv_consumer", "recompute", leasekit_verdict_timeout_s=2)) == []
+
+
+def test_a_leasekit_d_without_recompute_is_warned_a_stock_d_is_not():
+    (finding,) = lint_kv_transfer_config(_leasekit("kv_consumer"))
+    assert finding.field == "kv_load_failure_policy" and finding.severity == "warning"
+    assert "recompute" in finding.fix
+    assert lint_kv_transfer_config(_cfg("kv_consumer")) == []

@@ -166,7 +166,7 @@ def test_promtool_test_files_must_feed_exported_series(tmp_path):
     assert len(problems) == 3
     assert "'leasekit_kv_lease_expiries' is not exported" in problems[0]  # counters are scraped as _total
     assert "labels ['engine', 'instance', 'job', 'model_name', 'remote_engine_id', 'tp_rank'] differ from the " \
-           "exported ['engine', 'instance', 'job', 'model_name', 'remote_agent', 'tp_rank']" in problems[1]
+           "exported ['engine', 'fail_closed', 'instance', 'job', 'model_name', 'remote_agent', 'tp_rank']" in problems[1]
     assert "'nope' is not exported" in problems[2]
 
 

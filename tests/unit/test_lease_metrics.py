@@ -2,6 +2,7 @@
 msgpack (as vLLM ships it to the API server) -> LeaseKitPromMetrics -> a real prometheus-client
 registry. Also the structured log records and trace-context joining."""
 
+import dataclasses
 import functools
 import json
 import logging
@@ -84,7 +85,7 @@ def test_lease_events_reach_prometheus_with_units_and_labels():
     # rank 0 announced its config: every P-side series exists at zero before its first event
     # ("avoid missing metrics"); D-side series do not exist on a producer
     zero = {"model_name": "tiny", "engine": "0", "tp_rank": "0", "remote_agent": m.UNKNOWN_REMOTE}
-    assert registry.get_sample_value("leasekit_kv_lease_late_completions_total", zero) == 0.0
+    assert registry.get_sample_value("leasekit_kv_lease_late_completions_total", {**zero, "fail_closed": "false"}) == 0.0
     assert registry.get_sample_value("leasekit_kv_lease_expiries_total", {**zero, "cause": "no_heartbeat"}) == 0.0
     assert registry.get_sample_value(
         "leasekit_kv_lease_heartbeats_sent_total",
@@ -97,6 +98,7 @@ def test_lease_events_reach_prometheus_with_units_and_labels():
     r0.expire("A", step_gap_s=0.05, now=106.6)
     r1.expire("A", now=106.2)
     r1.late_read("A", remote_agent="agent-d", now=107.0)
+    r0.late_read("A", remote_agent="agent-d", now=107.0, fail_closed=True)  # D told to discard it
     r1.abort("B", "request aborted", now=107.0)
     o0.state(r0.expiring_within(1.0, now=107.0))
     o1.state(r1.expiring_within(1.0, now=107.0))
@@ -112,7 +114,12 @@ def test_lease_events_reach_prometheus_with_units_and_labels():
                  cause="no_heartbeat") == 1
     assert value(registry, "leasekit_kv_lease_reclaim_lag_seconds_sum", tp_rank="0") == pytest.approx(0.1)
     assert value(registry, "leasekit_kv_lease_reclaim_lag_seconds_sum", tp_rank="1") == pytest.approx(0.2)
-    assert value(registry, "leasekit_kv_lease_late_completions_total", tp_rank="1", remote_agent="agent-d") == 1
+    assert value(registry, "leasekit_kv_lease_late_completions_total", tp_rank="1", remote_agent="agent-d",
+                 fail_closed="false") == 1
+    assert value(registry, "leasekit_kv_lease_late_completions_total", tp_rank="0", remote_agent="agent-d",
+                 fail_closed="true") == 1
+    assert value(registry, "leasekit_kv_lease_late_completions_total", tp_rank="0", remote_agent="agent-d",
+                 fail_closed="false") == 0
     assert value(registry, "leasekit_kv_lease_aborts_total", tp_rank="1") == 1
     assert value(registry, "leasekit_kv_lease_hold_seconds_count", tp_rank="0", outcome="expired") == 1
     assert value(registry, "leasekit_kv_lease_hold_seconds_sum", tp_rank="0", outcome="released") == pytest.approx(3.0)
@@ -181,6 +188,9 @@ def test_one_log_record_per_event_and_json_when_asked(capsys):
         doc = json.loads(line)
         assert doc["event"] == "late_read" and doc["level"] == "ERROR" and doc["request_id"] == "R9"
         assert doc["tp_rank"] == 1 and doc["outcome"] == "expired"
+        LeaseLogObserver(json_logger)(dataclasses.replace(_event("late_read"), fail_closed=True))
+        doc = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
+        assert doc["event"] == "late_read" and doc["level"] == "WARNING"  # D discards it: no wrong tokens
     finally:
         for h in list(json_logger.handlers):
             if getattr(h, "_leasekit_json", False):

@@ -12,7 +12,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from leasekit.lease import LeaseTiming
 from leasekit.telemetry import semconv as sc
 from leasekit.telemetry.lease_spans import LeaseSpanRecorder
-from leasekit.vllm.notifs import NotificationConfigError, PNotificationHandling, notification_settings
+from leasekit.lease.settings import NotificationConfigError, notification_settings
+from leasekit.vllm.notifs import PNotificationHandling
 from leasekit.vllm.stats import DROPS, LeaseKitKVConnectorStats, LeaseStatsObserver
 
 L = 6
@@ -38,7 +39,7 @@ class Stats:
 class Worker(PNotificationHandling):
     """The vLLM worker attributes PNotificationHandling reads, nothing else."""
 
-    def __init__(self, max_hold_s=480.0, max_bytes=1 << 20):
+    def __init__(self, max_hold_s=480.0, max_bytes=1 << 20, fail_closed=True):
         self._reqs_to_send: dict[str, float] = {}
         self._reqs_to_process: set[str] = set()
         self._lease_extension = TIMING.extension_s
@@ -52,7 +53,7 @@ class Worker(PNotificationHandling):
         self._lk = LeaseSpanRecorder(provider.get_tracer("t"), engine_id="p", tp_rank=0, timing=TIMING)
         self.stats = LeaseKitKVConnectorStats()
         self._lk_stats = LeaseStatsObserver(self.stats, 0)
-        self._lk_init_notifications(max_hold_s, max_bytes)
+        self._lk_init_notifications(max_hold_s, max_bytes, fail_closed=fail_closed)
 
     def grant(self, req_id, now):
         self._reqs_to_process.add(req_id)
@@ -164,6 +165,8 @@ def test_internal_error_drops_one_message_not_the_engine(monkeypatch):
 
 def test_settings_refuse_bad_values_with_the_field_and_range():
     assert notification_settings({}, 6) == (480.0, 1 << 20)
+    assert notification_settings({}, 600) == (600.0, 1 << 20)  # unset: max(480, L), never refused
+    assert notification_settings({}, 90000)[0] == 90000.0
     with pytest.raises(NotificationConfigError, match=r"leasekit_max_hold_s=3.*\[kv_lease_duration=6"):
         notification_settings({"leasekit_max_hold_s": 3}, 6)
     with pytest.raises(NotificationConfigError, match=r"leasekit_max_notification_bytes='big'"):

@@ -24,11 +24,14 @@ from leasekit.lease.codec import (
 )
 from leasekit.lease.readgate import FAIL as GATE_FAIL
 from leasekit.lease.readgate import (
+    DISCARDED_OUTCOMES,
     HOLD,
+    OUTCOME_ABANDONED,
     OUTCOME_REAPED,
     OUTCOME_TIMEOUT,
     OUTCOME_UNGATED,
     OUTCOME_VERIFIED,
+    RELEASED_OUTCOMES,
     USE,
     ReadGate,
     agent_name,
@@ -123,9 +126,22 @@ def test_protection_lasts_until_the_request_finishes_however_long_it_waits():
     assert g.hold("d1", now=10_000.0) == HOLD  # no age limit: a read after hours is still gated
     g.finish("d2")
     assert not g.is_protected("d2")
-    g.resolve(now=10_000.0)
-    g.finish("d1")  # the request finished on D: nothing of it is left
-    assert g._reads == {} and not g.is_protected("d1")
+    assert g.resolve(now=10_000.0) == []  # still waiting for P
+    g.finish("d1")  # the request finished on D (aborted) while its read was held
+    assert not g.is_protected("d1")
+    (result,) = g.resolve(now=10_001.0)  # reported, so that vLLM frees its blocks; nothing is left
+    assert result.request_id == "d1" and result.outcome == OUTCOME_ABANDONED
+    assert OUTCOME_ABANDONED in RELEASED_OUTCOMES and OUTCOME_ABANDONED not in DISCARDED_OUTCOMES
+    assert g._reads == {} and g.resolve(now=20_000.0) == []
+
+
+def test_a_read_still_in_flight_when_its_request_finished_is_abandoned_not_unprotected():
+    g = gate()
+    g.finish("d1")  # protected by gate(); the read has not finished yet
+    assert g.hold("d1", now=1.0) == USE  # used as stock: the request produces no more tokens
+    assert g.pop_finished("d1") and not g.pop_finished("d1")
+    g.finish("never-protected")
+    assert not g.pop_finished("never-protected")
 
 
 def test_a_second_read_of_the_same_p_request_is_not_verified_by_the_first_ones_verdict():
@@ -168,8 +184,8 @@ class NixlStandIn:
         self.sent.append((agent, notif_msg))
 
 
-def p_worker(name="d0"):
-    w = Worker()
+def p_worker(name="d0", fail_closed=True):
+    w = Worker(fail_closed=fail_closed)
     w.nixl_wrapper = NixlStandIn(name)
     return w
 
@@ -179,6 +195,36 @@ def test_p_answers_each_completion_after_hello_live_ok_late_reaped():
     w.grant("live", 0.0)
     w.step({"d0": [encode_hello(b"md"), b"live:1", b"gone:1"]})
     assert w.nixl_wrapper.sent == [("d0", encode_verdict("live", True)), ("d0", encode_verdict("gone", False))]
+
+
+def test_p_without_fail_closed_ignores_hellos_and_never_notifies_d():
+    """leasekit_fail_closed off (the default): P never loads a D agent from a hello (a forged
+    leasekit_protocol marker cannot make it connect back) and sends no verdict and no ack."""
+    w = p_worker(fail_closed=False)
+    w.grant("live", 0.0)
+    w.step({"d0": [encode_hello(b"md"), b"HB:live,LK1~5", b"live:1", b"gone:1"]})
+    assert w.nixl_wrapper.sent == [] and w.nixl_wrapper.loaded == []
+    assert w._lk_protocol_agents == {} and w._lk_pending_verdicts == {}
+    assert "live" not in w._reqs_to_send  # the completion still released the lease, as stock
+    assert w.drops() == {"unknown_id": 1}, "only gone:1 (never held); the hello is ignored, as stock"
+
+
+def test_p_unloads_the_least_recently_answered_agent_at_the_cap(monkeypatch):
+    import leasekit.vllm.notifs as notifs
+
+    class ByMetadata(NixlStandIn):
+        def add_remote_agent(self, metadata):  # the hello's metadata names its agent here
+            self.loaded.append(metadata.decode())
+            return metadata
+
+    monkeypatch.setattr(notifs, "MAX_PROTOCOL_AGENTS", 2)
+    w = Worker()
+    w.nixl_wrapper = ByMetadata()
+    w.grant("r", 0.0)
+    w.step({"a": [encode_hello(b"a")], "b": [encode_hello(b"b")]})
+    w.step({"a": [b"gone:1"]})  # a answered most recently: b is now the least recently used
+    w.step({"c": [encode_hello(b"c")]})
+    assert list(w._lk_protocol_agents) == ["a", "c"] and w.nixl_wrapper.loaded == ["a", "c"]
 
 
 def test_p_keeps_live_verdicts_until_the_hello_arrives():
@@ -287,12 +333,13 @@ def test_p_acknowledges_sequenced_heartbeats_of_protocol_agents_only():
 
 
 def test_fail_closed_is_opt_in_and_a_bad_value_is_refused_with_the_fix():
-    from leasekit.vllm.dgate import ReadGateConfigError, fail_closed_enabled, verdict_timeout
+    from leasekit.lease.settings import ReadGateConfigError, fail_closed_enabled, verdict_timeout
 
     assert fail_closed_enabled({}) is False
     assert fail_closed_enabled({"leasekit_fail_closed": True}) is True
     with pytest.raises(ReadGateConfigError, match="leasekit_fail_closed.*true or false"):
         fail_closed_enabled({"leasekit_fail_closed": "yes"})
     assert verdict_timeout({}, 900.0) == 600.0  # a long lease still starts: default min(L, 600)
+    assert verdict_timeout({}, 0.01) == 0.05  # a tiny L (linted elsewhere) still starts: clamped default
     with pytest.raises(ReadGateConfigError, match=r"\[0.05, 86400\]"):
         verdict_timeout({"leasekit_verdict_timeout_s": 0}, 6.0)

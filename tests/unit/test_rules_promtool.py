@@ -85,7 +85,7 @@ MUTATIONS = {
         "LeaseExpiriesWhileDecodeHealthy", f"\nand on (job, instance, remote_agent)\n{rules.EXTENSIONS_BY_REMOTE} > 0",
         ""),
     "LeaseLateCompletions": _replace(
-        rules.LATE_BY_REMOTE, " unless leasekit_kv_lease_late_completions_total offset 5m", ""),
+        rules.LATE_BY_REMOTE, ' unless leasekit_kv_lease_late_completions_total{fail_closed!="true"} offset 5m', ""),
     "LeaseReclaimLagOverBound": _replace("LeaseReclaimLagOverBound", f"clamp_min({rules.H_MAX}, 0.5)", rules.H_MAX),
     "LeasePinnedBlocksHigh": _replace(rules.PINNED, "max by (job, instance, engine)", "sum by (job, instance, engine)"),
     "LeaseHeartbeatGapNearExtension": _replace("LeaseHeartbeatGapNearExtension", "0.8 *", "0.2 *"),
@@ -116,6 +116,14 @@ def test_tests_catch_an_alert_without_its_guard(promtool, tmp_path, name):
     result = _run_mutated(promtool, tmp_path, MUTATIONS[name], name)
     assert result.returncode != 0
     assert f"alertname: {name}" in result.stdout + result.stderr
+
+
+def test_tests_catch_late_completions_paging_for_reads_a_fail_closed_d_discarded(promtool, tmp_path):
+    """Without the ``fail_closed!="true"`` filter, LeaseLateCompletions would page for late reads a
+    fail-closed D discarded; a silent case of its tests must then fail."""
+    result = _run_mutated(promtool, tmp_path, _replace(rules.LATE_BY_REMOTE, '{fail_closed!="true"}', ""), "LeaseLateCompletions")
+    assert result.returncode != 0
+    assert "alertname: LeaseLateCompletions" in result.stdout + result.stderr
 
 
 GRAFANA_VALUES = {"job": ".*", "instance": ".*", "__rate_interval": "1m", "__interval": "1m", "datasource": "x"}

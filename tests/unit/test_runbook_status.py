@@ -141,17 +141,32 @@ def test_expiries_expiring_soon_and_heartbeat_failures_are_degraded(servers, cap
 
 def test_late_completion_is_critical_in_table_and_json(servers, capsys):
     p = healthy_p(servers)
-    p.get(m.LATE_COMPLETIONS, tp_rank="0", remote="D1").inc()
+    p.get(m.LATE_COMPLETIONS, tp_rank="0", remote="D1", fail_closed="false").inc()
     p.get(m.EXPIRIES, tp_rank="0", remote="D1", cause="heartbeat_lapsed").inc()
     assert run_cli(["status", p.url]) == 1
     out = capsys.readouterr().out
     assert "CRITICAL because:" in out
-    assert f"  - 1 late completion(s) since start (by {remote_label(m.LATE_COMPLETIONS)}: D1=1)" in out
+    assert (f"  - 1 late completion(s) since start from D agents that do not fail closed (all late completions by "
+            f"{remote_label(m.LATE_COMPLETIONS)}: D1=1)") in out
     assert "overall: CRITICAL" in out and "late completions" in out
     report = status.collect_status([p.url])
     assert report["servers"][0]["verdict"] == "CRITICAL"
     assert report["servers"][0]["reasons"][0].startswith("1 late completion(s)")
     assert any("1 lease expiry since start" in r for r in report["servers"][0]["reasons"])  # degraded findings kept too
+
+
+def test_late_completions_a_fail_closed_d_discarded_are_degraded_not_critical(servers, capsys):
+    p = healthy_p(servers)
+    p.get(m.LATE_COMPLETIONS, tp_rank="0", remote="D1", fail_closed="true").inc(2)
+    p.metrics["vllm:nixl_num_notifications_after_expiry"].labels(**ENGINE).inc(2)  # vLLM counts them too
+    (s,) = status.collect_status([p.url])["servers"]
+    assert s["verdict"] == "DEGRADED", s["reasons"]
+    assert any(r.startswith("2 late completion(s) since start from fail-closed D agents") for r in s["reasons"])
+    # one more late read, from a D that does not fail closed: vLLM's count now exceeds the discarded ones
+    p.metrics["vllm:nixl_num_notifications_after_expiry"].labels(**ENGINE).inc()
+    (s,) = status.collect_status([p.url])["servers"]
+    assert s["verdict"] == "CRITICAL"
+    assert any(r.startswith("vllm:nixl_num_notifications_after_expiry = 3") for r in s["reasons"])
 
 
 def test_unreachable_server_is_named_and_others_still_reported(servers, capsys):
@@ -164,7 +179,7 @@ def test_unreachable_server_is_named_and_others_still_reported(servers, capsys):
     assert bad["error"].startswith(f"could not scrape {dead}/metrics: ConnectError")
     assert report["verdict"] == "UNKNOWN"
     # a known problem elsewhere outranks the unknown
-    p.get(m.LATE_COMPLETIONS, tp_rank="0", remote="D1").inc()
+    p.get(m.LATE_COMPLETIONS, tp_rank="0", remote="D1", fail_closed="false").inc()
     assert run_cli(["status", dead, p.url, "--timeout", "2"]) == 1
     out = capsys.readouterr().out
     assert f"{dead}/metrics: UNREACHABLE: could not scrape" in out
@@ -221,7 +236,7 @@ def test_rank_max_per_engine_summed_with_per_rank_rows(servers, capsys):
 def test_interval_reports_increases_and_the_verdict_uses_them(servers, capsys):
     p = healthy_p(servers)
     p.get(m.EXPIRIES, tp_rank="0", remote="D1", cause="no_heartbeat").inc(4)  # an old incident
-    p.get(m.LATE_COMPLETIONS, tp_rank="0", remote="D1").inc()
+    p.get(m.LATE_COMPLETIONS, tp_rank="0", remote="D1", fail_closed="false").inc()
     assert status.collect_status([p.url])["servers"][0]["verdict"] == "CRITICAL"
 
     def traffic(seconds):  # what the server does between the scrapes

@@ -1,0 +1,162 @@
+"""LeaseKitConnector's own ``kv_connector_extra_config`` keys: reading, checking and linting them.
+
+Pure (no vLLM import), so that ``leasekit lint`` refuses exactly what the connector refuses at start.
+Each reader takes vLLM's ``KVTransferConfig`` (``get_from_extra_config``) or a plain mapping, applies
+the default when the key is unset, and raises a ``ValueError`` subclass whose message names the field,
+the value, the allowed range and the fix. The connector calls them in ``__init__`` (a bad value stops
+the engine at start); :func:`lint_leasekit_keys` turns them into lint findings.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+from typing import Any
+
+from leasekit.lease.codec import DEFAULT_MAX_BYTES
+
+DEFAULT_MAX_HOLD_S = 480.0
+"""Default hard cap on one lease's total life, seconds (vLLM's old ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``)."""
+
+MAX_HOLD_EXTRA_KEY = "leasekit_max_hold_s"
+MAX_BYTES_EXTRA_KEY = "leasekit_max_notification_bytes"
+MAX_BYTES_LIMIT = 64 << 20
+
+
+class NotificationConfigError(ValueError):
+    """``leasekit_max_hold_s`` or ``leasekit_max_notification_bytes`` is out of range (message: field,
+    value, allowed range, fix)."""
+
+
+def notification_settings(extra_config: Any, lease_duration_s: float) -> tuple[float, int]:
+    """Read and check ``(max_hold_s, max_notification_bytes)`` from ``kv_connector_extra_config``.
+
+    Args:
+        extra_config: vLLM's ``KVTransferConfig`` (``get_from_extra_config``) or a plain mapping.
+        lease_duration_s: ``L`` in seconds; the cap must be at least ``L`` (unset: ``max(480, L)``).
+
+    Raises:
+        NotificationConfigError: max hold not a number in ``[L, max(L, 86400)]`` seconds, or max bytes not
+            an integer in ``[1024, 64 MiB]``.
+    """
+    get = _getter(extra_config)
+    max_hold = get(MAX_HOLD_EXTRA_KEY, None)
+    if max_hold is None:
+        max_hold = max(DEFAULT_MAX_HOLD_S, float(lease_duration_s))
+    max_bytes = get(MAX_BYTES_EXTRA_KEY, DEFAULT_MAX_BYTES)
+    high = max(86400.0, float(lease_duration_s))
+    if isinstance(max_hold, bool) or not isinstance(max_hold, (int, float)) or not lease_duration_s <= max_hold <= high:
+        raise NotificationConfigError(
+            f"kv_connector_extra_config.{MAX_HOLD_EXTRA_KEY}={max_hold!r}: must be seconds in "
+            f"[kv_lease_duration={lease_duration_s:g}, {high:g}]; fix: leave it unset (max(480, kv_lease_duration)) "
+            f"or set it within that range"
+        )
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or not 1024 <= max_bytes <= MAX_BYTES_LIMIT:
+        raise NotificationConfigError(
+            f"kv_connector_extra_config.{MAX_BYTES_EXTRA_KEY}={max_bytes!r}: must be an integer number of "
+            f"bytes in [1024, {MAX_BYTES_LIMIT}]; fix: leave it unset ({DEFAULT_MAX_BYTES})"
+        )
+    return float(max_hold), max_bytes
+
+
+VERDICT_TIMEOUT_EXTRA_KEY = "leasekit_verdict_timeout_s"
+VERDICT_TIMEOUT_RANGE_S = (0.05, 86400.0)
+DEFAULT_VERDICT_TIMEOUT_CAP_S = 600.0
+
+
+class ReadGateConfigError(ValueError):
+    """``leasekit_verdict_timeout_s`` is out of range (message: field, value, allowed range, fix)."""
+
+
+def verdict_timeout(extra_config: Any, lease_duration_s: float) -> float:
+    """Seconds D waits for P's verdicts on one read: ``kv_connector_extra_config.leasekit_verdict_timeout_s``,
+    default ``min(L, 600)`` (at least 0.05; while P holds leases its loop handles notifications at least
+    every ``L``, or they expire anyway).
+
+    Raises:
+        ReadGateConfigError: not a number of seconds in ``[0.05, 86400]``.
+    """
+    get = _getter(extra_config)
+    low, high = VERDICT_TIMEOUT_RANGE_S
+    value = get(VERDICT_TIMEOUT_EXTRA_KEY, None)
+    if value is None:  # the default, clamped into range (a tiny L is linted elsewhere, not refused here)
+        return min(max(float(lease_duration_s), low), DEFAULT_VERDICT_TIMEOUT_CAP_S)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise ReadGateConfigError(
+            f"kv_connector_extra_config.{VERDICT_TIMEOUT_EXTRA_KEY}={value!r}: must be seconds in [{low:g}, {high:g}]; "
+            f"fix: leave it unset (min(kv_lease_duration, {DEFAULT_VERDICT_TIMEOUT_CAP_S:g}) s)"
+        )
+    return float(value)
+
+
+FAIL_CLOSED_EXTRA_KEY = "leasekit_fail_closed"
+
+
+def fail_closed_enabled(extra_config: Any) -> bool:
+    """Whether P turns on the fail-closed protocol: ``kv_connector_extra_config.leasekit_fail_closed``
+    (bool, default False). Off by default: with it on, P opens NIXL connections back to D agents, and
+    UCX was seen to crash P's worker when such a D was SIGKILLed (docs/fail-closed.md).
+
+    Raises:
+        ReadGateConfigError: not a bool.
+    """
+    get = _getter(extra_config)
+    value = get(FAIL_CLOSED_EXTRA_KEY, False)
+    if not isinstance(value, bool):
+        raise ReadGateConfigError(
+            f"kv_connector_extra_config.{FAIL_CLOSED_EXTRA_KEY}={value!r}: must be true or false; fix: a JSON "
+            "boolean, or leave it unset (false)"
+        )
+    return value
+
+
+RUN_DIR_EXTRA_KEY = "leasekit_run_dir"
+
+ROLE_OF_KEY = {
+    MAX_HOLD_EXTRA_KEY: "kv_producer",
+    MAX_BYTES_EXTRA_KEY: None,  # both roles parse notifications (D: P's verdicts and acks)
+    FAIL_CLOSED_EXTRA_KEY: "kv_producer",
+    VERDICT_TIMEOUT_EXTRA_KEY: "kv_consumer",
+    RUN_DIR_EXTRA_KEY: None,
+}
+"""Every LeaseKit extra-config key -> the only role that reads it (None: both)."""
+
+
+def _getter(extra_config: Any):
+    return getattr(extra_config, "get_from_extra_config", None) or (lambda k, d: extra_config.get(k, d))
+
+
+def lint_leasekit_keys(extra: Mapping, role: object, lease_duration_s: float | None, field_prefix: str) -> list[tuple[str, str, str, str]]:
+    """Lint the ``leasekit_*`` keys of one ``kv_connector_extra_config`` mapping ``extra`` for ``role``
+    (``kv_producer``, ``kv_consumer``, ``kv_both`` or anything else: not role-checked) and lease
+    duration ``L`` in seconds (None: unusable, range checks needing it are skipped).
+
+    Returns:
+        ``(field, severity, message, fix)`` tuples, ``field`` prefixed with ``field_prefix``: an
+        out-of-range value (error, exactly what the connector refuses at start), an unknown
+        ``leasekit_*`` key (warning, with the closest known key), a key the role ignores (warning).
+    """
+    found: list[tuple[str, str, str, str]] = []
+    checks = [(FAIL_CLOSED_EXTRA_KEY, lambda: fail_closed_enabled(extra))]
+    if lease_duration_s is not None:
+        checks += [(MAX_HOLD_EXTRA_KEY, lambda: notification_settings(extra, lease_duration_s)),
+                   (VERDICT_TIMEOUT_EXTRA_KEY, lambda: verdict_timeout(extra, lease_duration_s))]
+    for _key, check in checks:
+        try:
+            check()
+        except (NotificationConfigError, ReadGateConfigError) as exc:
+            message, _, fix = str(exc).partition("; fix: ")
+            field = message.split("=", 1)[0].removeprefix("kv_connector_extra_config.")
+            found.append((f"{field_prefix}.{field}", "error", message, fix or "leave it unset"))
+    for key in extra:
+        if not isinstance(key, str) or not key.startswith("leasekit_"):
+            continue
+        if key not in ROLE_OF_KEY:
+            close = difflib.get_close_matches(key, ROLE_OF_KEY, n=1)
+            found.append((f"{field_prefix}.{key}", "warning", f"{key} is not a LeaseKitConnector key: it is ignored",
+                           f"did you mean {close[0]}?" if close else f"use one of {', '.join(sorted(ROLE_OF_KEY))}"))
+        elif ROLE_OF_KEY[key] is not None and role in ("kv_producer", "kv_consumer") and role != ROLE_OF_KEY[key]:
+            side = "P (kv_producer)" if ROLE_OF_KEY[key] == "kv_producer" else "D (kv_consumer)"
+            found.append((f"{field_prefix}.{key}", "warning", f"{key} is read only on {side}: on {role} it is ignored",
+                           f"set it in the {side} config"))
+    return found

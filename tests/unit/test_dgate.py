@@ -1,0 +1,87 @@
+"""D's read gate inside the worker hook (leasekit/vllm/dgate.py), over a stand-in for vLLM's stock
+``_pop_done_transfers``: what D reports to vLLM for each gate outcome, and when D says hello again.
+The wire and the real pair are covered by tests/integration/test_fail_closed.py."""
+
+from types import SimpleNamespace
+
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from leasekit.lease.readgate import OUTCOME_TIMEOUT, OUTCOME_VERIFIED, GateResult
+from leasekit.vllm.dgate import DReadGating
+from leasekit.vllm.stats import READS, LeaseKitKVConnectorStats, LeaseStatsObserver
+
+
+class StockPolling:
+    """vLLM's ``_pop_done_transfers``: the reads NIXL finished since the last poll, none failed."""
+
+    def _pop_done_transfers(self, transfers):
+        finished, self.finished = set(self.finished), set()
+        return finished, set()
+
+
+class D(DReadGating, StockPolling):
+    def __init__(self):
+        self.finished: set[str] = set()
+        self._recving_transfers: dict = {}
+        self._recv_failures: set[str] = set()
+        self._recving_metadata = {}
+        self._lk_faults = SimpleNamespace(enabled=False)
+        self._lk_errors = SimpleNamespace(report=lambda where, exc: (_ for _ in ()).throw(exc))
+        self._lk_hb = SimpleNamespace(context_of=lambda rid: None)
+        self.stats = LeaseKitKVConnectorStats()
+        self._lk_stats = LeaseStatsObserver(self.stats, 0)
+        self.tp_rank = 0
+        self.notified: list[str] = []
+        self.exporter = InMemorySpanExporter()
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(self.exporter))
+        self._lk_init_gate(6.0, 6.0, provider.get_tracer("t"))
+
+    def _send_pending_recv_notifs(self, request_id):
+        self.notified.append(request_id)
+
+    def poll(self):
+        return self._pop_done_transfers(self._recving_transfers)
+
+    def outcomes(self):
+        return [outcome for _rank, outcome, _wait in self.stats.data[READS]]
+
+
+def protected_read(d: D, request_id="d1", agent="p0", remote="P1"):
+    d._lk_gate.protect(request_id)
+    d._lk_gate.expect(request_id, agent, remote)
+
+
+def test_a_request_aborted_while_its_read_is_held_is_reported_done_so_vllm_frees_its_blocks():
+    d = D()
+    protected_read(d)
+    d.finished = {"d1"}
+    assert d.poll() == (set(), set())  # held for P's verdict
+    assert d.notified == ["d1"]
+    d._lk_finished(["d1"])  # the client aborted it on D
+    assert d.poll() == ({"d1"}, set())  # vLLM frees a WAITING_FOR_REMOTE_KVS request's blocks only now
+    assert d.outcomes() == ["abandoned"]
+    (span,) = d.exporter.get_finished_spans()
+    assert span.attributes["leasekit.read_outcome"] == "abandoned"
+
+
+def test_a_protected_read_finishing_after_its_request_ended_is_abandoned_not_unprotected():
+    d = D()
+    protected_read(d)
+    d._lk_finished(["d1"])
+    d.finished = {"d1"}
+    assert d.poll() == ({"d1"}, set())
+    d.finished = {"d2"}  # a stock P's read: never protected
+    assert d.poll() == ({"d2"}, set())
+    assert d.outcomes() == ["abandoned", "unprotected"]
+
+
+def test_d_says_hello_again_after_a_read_from_that_agent_timed_out():
+    d = D()
+    d._lk_hello_sent |= {"p0", "p1"}
+    d._lk_record_read(GateResult("d1", "P1", OUTCOME_VERIFIED, 0.01, ("p1",)), now=1.0)
+    assert d._lk_hello_sent == {"p0", "p1"}
+    d._lk_record_read(GateResult("d2", "P2", OUTCOME_TIMEOUT, 6.0, ("p0",)), now=7.0)
+    assert d._lk_hello_sent == {"p1"}  # P may have unloaded our agent (cap, restart): the next read re-hellos
