@@ -8,16 +8,20 @@ Measured (all times seconds, ``time.perf_counter``/``monotonic`` of the process 
 
 1. baseline: the NIXL notification round trip (two UCX agents in this process, ping -> pong, the same
    ``nixl`` package vLLM uses), ``--pings`` times;
-2. a stock P/D pair (vLLM's NixlConnector both sides) and a LeaseKit pair, one after the other, each
-   serving ``--requests`` routed requests one at a time: D's HTTP latency per request;
-3. on the LeaseKit pair: D's ``kv_lease_read`` spans: how long each finished read was held for P's
-   verdict (``leasekit.read_verdict_wait_s``);
+2. a stock P/D pair (vLLM's NixlConnector both sides), a LeaseKit pair without the protocol
+   (``leasekit_fail_closed`` off: the baseline for the gate alone) and a fail-closed LeaseKit pair, one
+   after the other, each serving ``--requests`` routed requests one at a time: D's HTTP latency per
+   request;
+3. on the fail-closed pair: D's ``kv_lease_read`` spans: how long each finished read was held for P's
+   verdict (``leasekit.read_verdict_wait_s``), and the share held not at all (P's acknowledgement of
+   D's read probe, a heartbeat sent as the read is posted, arrived before the read finished);
 4. on the LeaseKit pair: ``--queued`` requests that wait in D's queue (a held slot) for
    ``--queue-s`` seconds first, so D heartbeats them and P acknowledges: the share released by the
    fast path with no wait.
 
-Prints the ratios: verdict wait p50 / notification round trip p50 (goal: about one round trip plus
-P's step), LeaseKit / stock D latency p50, and the fast-path share of queued reads (goal: 1.0).
+Prints the ratios: verdict wait p50 / notification round trip p50 (goal: at most one round trip plus
+P's step), fail-closed / stock and fail-closed / LeaseKit-open D latency p50 (goal: about 1), and the
+fast-path shares of immediate and queued reads (goal: 1.0).
 Exit code 0 when the run completed, whatever the numbers.
 
     flock /tmp/leasekit-pair.lock .venv/bin/python benchmarks/fail_closed_cost.py [--requests N]
@@ -130,14 +134,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rtt = notification_round_trip(args.pings)
         result["notification_rtt_p50_s"] = _pct(rtt, 0.5)
-        for target in ("stock", "leasekit"):
-            spec = PairSpec.pinned(lease_duration_s=args.lease_duration, prefill_connector=target, decode_connector=target,
-                                   fail_closed=target == "leasekit")
+        for target, connector, fail_closed in (("stock", "stock", False), ("leasekit_open", "leasekit", False),
+                                               ("leasekit", "leasekit", True)):
+            spec = PairSpec.pinned(lease_duration_s=args.lease_duration, prefill_connector=connector,
+                                   decode_connector=connector, fail_closed=fail_closed)
             with PDPair(spec, run_dir / target) as pair:
                 result[f"{target}_latency_p50_s"] = _pct(routed_latencies(pair, args.requests), 0.5)
                 if target == "leasekit":
                     waits = read_waits(pair)
                     immediate = [w for outcome, w in waits.values() if outcome == "verified"]
+                    result["immediate_fast_path_share"] = (sum(1 for w in immediate if w == 0.0) / len(immediate)
+                                                           if immediate else None)
                     result["verdict_wait_p50_s"] = _pct(immediate, 0.5)
                     result["verdict_wait_p99_s"] = _pct(immediate, 0.99)
                     result["discarded_reads"] = sum(1 for outcome, _ in waits.values() if outcome != "verified")
@@ -150,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         result["interrupted"] = True
     rtt50, wait50 = result.get("notification_rtt_p50_s"), result.get("verdict_wait_p50_s")
     stock50, lk50 = result.get("stock_latency_p50_s"), result.get("leasekit_latency_p50_s")
+    open50 = result.get("leasekit_open_latency_p50_s")
+    result["fail_closed_over_open_latency"] = lk50 / open50 if lk50 is not None and open50 else None
     result["verdict_wait_over_rtt"] = wait50 / rtt50 if wait50 is not None and rtt50 else None
     result["leasekit_over_stock_latency"] = lk50 / stock50 if lk50 is not None and stock50 else None
     rows = [
@@ -157,8 +166,10 @@ def main(argv: list[str] | None = None) -> int:
         ("verdict wait p50 / p99 (immediate reads)",
          f"{wait50 if wait50 is None else round(wait50, 5)} / {result.get('verdict_wait_p99_s')}", ""),
         ("verdict wait p50 / notification round trip p50", result["verdict_wait_over_rtt"], "x"),
-        ("D latency p50: stock / LeaseKit", f"{stock50} / {lk50}", "s"),
-        ("D latency p50 ratio LeaseKit / stock", result["leasekit_over_stock_latency"], "x"),
+        ("immediate reads released without waiting (probe ack)", result.get("immediate_fast_path_share"), "share"),
+        ("D latency p50: stock / LeaseKit open / fail-closed", f"{stock50} / {open50} / {lk50}", "s"),
+        ("D latency p50 ratio fail-closed / stock", result["leasekit_over_stock_latency"], "x"),
+        ("D latency p50 ratio fail-closed / LeaseKit open (the gate)", result["fail_closed_over_open_latency"], "x"),
         ("queued reads released without waiting (fast path)", result.get("queued_fast_path_share"), "share"),
         ("reads discarded (should be 0 on the normal path)", result.get("discarded_reads"), ""),
     ]

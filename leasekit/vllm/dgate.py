@@ -6,7 +6,8 @@ A read of P's KV blocks becomes tokens only after P confirmed that the lease cov
 - ``_read_blocks`` (``pull_worker.py``): before the first read from a P agent for a request P marked
   with ``leasekit_protocol``, say hello to that agent: a heartbeat whose only id is
   ``LK1~H~<base64 NIXL partial agent metadata>`` (connection info only; a stock P ignores an id it does
-  not hold) so that P can notify D back; record which P agents must answer for the request;
+  not hold) so that P can notify D back; then a read probe (a heartbeat naming that lease, whose ack
+  releases the read with no wait if it arrives before the read finishes); record which P agents must answer for the request;
 - ``_pop_done_transfers`` (``base_worker.py``) for ``_recving_transfers``: a protected read that finished
   is held back instead of reported done (its deferred mixed-memory completions are sent now, so P hears
   of it); each step, held reads are decided: ``verified`` ones are reported done, ``reaped`` and
@@ -39,6 +40,7 @@ from leasekit.lease.readgate import (
 from leasekit.telemetry import semconv as sc
 from leasekit.telemetry.lease_log import RateLimitedWarning, lease_logger
 from leasekit.vllm.kvdigest import KV_DIGEST_ATTR, kv_digest
+from leasekit.vllm.taps import HEARTBEAT_PREFIX
 
 
 
@@ -121,7 +123,22 @@ class DReadGating:
             except Exception as exc:  # fail closed: this read will be discarded, never served unchecked
                 self._lk_gate.ungate(request_id)
                 self._lk_errors.report("read gate", exc)
+            else:
+                self._lk_probe(agent, kwargs["remote_request_id"])
         return super()._read_blocks(*args, **kwargs)
+
+    def _lk_probe(self, agent: Any, remote_request_id: str) -> None:
+        """A heartbeat naming this one lease, sent just before its read is posted (with the sequence
+        token, :meth:`_lk_sequence_heartbeat`). P's acknowledgement travels while the read runs, so a
+        read of a comfortably alive lease finds it already covered if the ack beat the read, and passes
+        with no wait (the fast path) instead of waiting up to a round trip for its verdict. An optimisation
+        only: a failed send is reported, never fatal. Not sent while a chaos heartbeat fault is set."""
+        try:
+            if self._lk_faults.enabled and self._lk_faults.heartbeats_disturbed():
+                return
+            self.nixl_wrapper.send_notif(agent, notif_msg=HEARTBEAT_PREFIX + str(remote_request_id).encode())
+        except Exception as exc:
+            self._lk_errors.report("read probe", exc)
 
     def _lk_say_hello(self, agent: str | bytes) -> None:
         if agent_name(agent) in self._lk_hello_sent:

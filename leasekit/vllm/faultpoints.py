@@ -114,6 +114,13 @@ class FaultPoints:
             self.delay_next_left = float(hb.get("delay_next_s", 0) or 0.0)
         self.write_state()
 
+    def heartbeats_disturbed(self) -> bool:
+        """Whether a heartbeat fault is set (drops, delays or duplicates pending or configured): D's read
+        probe, a heartbeat too, is then not sent, so the fault reaches every heartbeat path."""
+        hb = self.control.get("heartbeats") or {}
+        return bool(self.drop_left > 0 or self.delay_next_left > 0 or hb.get("drop_fraction")
+                    or hb.get("delay_s") or int(hb.get("duplicate") or 1) > 1)
+
     def forward_stall(self) -> float:
         """Seconds to stall this forward pass (once per control seq); 0.0 if none."""
         stall = float(self.control.get("forward_stall_s") or 0.0)

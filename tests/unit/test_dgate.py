@@ -14,11 +14,28 @@ from leasekit.vllm.stats import READS, LeaseKitKVConnectorStats, LeaseStatsObser
 
 
 class StockPolling:
-    """vLLM's ``_pop_done_transfers``: the reads NIXL finished since the last poll, none failed."""
+    """vLLM's ``_pop_done_transfers`` (the reads NIXL finished since the last poll, none failed) and
+    ``_read_blocks`` (records the read it posts)."""
 
     def _pop_done_transfers(self, transfers):
         finished, self.finished = set(self.finished), set()
         return finished, set()
+
+    def _read_blocks(self, **kwargs):
+        self.posted.append(kwargs["request_id"])
+        return True
+
+
+class Wire:
+    """The NIXL wrapper as D's worker holds it: ``send_notif`` (the tapped path, heartbeats) and
+    ``_wrapped.send_notif`` (raw, the hello); both record ``(agent, bytes)`` in one list, in order."""
+
+    def __init__(self):
+        self.sent = []
+        self._wrapped = SimpleNamespace(send_notif=lambda agent, notif_msg: self.sent.append((agent, notif_msg)))
+
+    def send_notif(self, agent, notif_msg):
+        self.sent.append((agent, notif_msg))
 
 
 class D(DReadGating, StockPolling):
@@ -34,6 +51,9 @@ class D(DReadGating, StockPolling):
         self._lk_stats = LeaseStatsObserver(self.stats, 0)
         self.tp_rank = 0
         self.notified: list[str] = []
+        self.posted: list[str] = []
+        self.nixl_wrapper = Wire()
+        self._remote_agents = {"P-engine": {(0, 0): "p0"}}
         self.exporter = InMemorySpanExporter()
         provider = TracerProvider()
         provider.add_span_processor(SimpleSpanProcessor(self.exporter))
@@ -85,3 +105,28 @@ def test_d_says_hello_again_after_a_read_from_that_agent_timed_out():
     assert d._lk_hello_sent == {"p0", "p1"}
     d._lk_record_read(GateResult("d2", "P2", OUTCOME_TIMEOUT, 6.0, ("p0",)), now=7.0)
     assert d._lk_hello_sent == {"p1"}  # P may have unloaded our agent (cap, restart): the next read re-hellos
+
+
+def read(d: D, request_id="d1", remote="P1"):
+    return d._read_blocks(request_id=request_id, remote_request_id=remote, dst_engine_id="P-engine",
+                          read_spec=SimpleNamespace(remote_rank=0))
+
+
+def test_a_protected_read_is_preceded_by_the_hello_and_a_heartbeat_probe_for_its_lease():
+    d = D()
+    d._lk_hello_msg = b"HB:LK1~H~bWQ="  # what encode_hello gives; NIXL metadata is not needed here
+    d._lk_gate.protect("d1")
+    assert read(d) and d.posted == ["d1"]
+    assert d.nixl_wrapper.sent == [("p0", b"HB:LK1~H~bWQ="), ("p0", b"HB:P1")]  # then the read
+    assert d._lk_gate._owner == {("p0", "P1"): "d1"}  # P0's verdict (or the probe's ack) decides it
+    read(d, request_id="d2", remote="P2")  # a stock P's request: no hello, no probe
+    assert d.nixl_wrapper.sent[2:] == [] and d.posted == ["d1", "d2"]
+
+
+def test_no_probe_while_a_chaos_heartbeat_fault_is_set():
+    d = D()
+    d._lk_hello_msg = b"HB:LK1~H~bWQ="
+    d._lk_faults = SimpleNamespace(enabled=True, heartbeats_disturbed=lambda: True)
+    d._lk_gate.protect("d1")
+    read(d)
+    assert d.nixl_wrapper.sent == [("p0", b"HB:LK1~H~bWQ=")]

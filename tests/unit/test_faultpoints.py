@@ -49,3 +49,22 @@ def test_a_broken_control_file_is_counted_not_fatal(tmp_path):
     os.utime(path, ns=(5, 5))
     faults.poll()
     assert faults.state["errors"] == 2
+
+
+def test_heartbeats_disturbed_while_any_heartbeat_fault_is_set(tmp_path):
+    path = str(tmp_path / "c.json")
+    faults = FaultPoints(path)
+    write_control(path, {"forward_stall_s": 1.0, "seq": 1})
+    faults.poll()
+    assert not faults.heartbeats_disturbed()  # a stall is not a heartbeat fault
+    for n, heartbeats in enumerate(({"drop_next": 1}, {"delay_next_s": 0.5}, {"drop_fraction": 0.5},
+                                    {"delay_s": 1.0}, {"duplicate": 2}), start=2):
+        write_control(path, {"heartbeats": heartbeats, "seq": n})
+        os.utime(path, ns=(n, n))
+        faults.poll()
+        assert faults.heartbeats_disturbed(), heartbeats
+    write_control(path, {"heartbeats": {"drop_next": 1}, "seq": 9})
+    os.utime(path, ns=(9, 9))
+    faults.poll()
+    faults.heartbeat_action()  # the one drop is spent
+    assert not faults.heartbeats_disturbed()
