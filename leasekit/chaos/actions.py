@@ -9,7 +9,6 @@ import time
 from dataclasses import dataclass, field
 
 from leasekit.chaos.faults import FaultError, FreezerStall, KillFault, NftFault, SigstopStall
-from leasekit.chaos.faults._common import stamp
 from leasekit.chaos.schema import HeartbeatFault, KillFault as KillSpec, NoFault, PartitionFault, StallFault
 from leasekit.cluster.pair import PDPair
 from leasekit.lease.config import LeaseTiming

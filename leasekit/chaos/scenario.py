@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import tomllib
 from pathlib import Path
-from typing import Literal
 
 from pydantic import BaseModel, Field, ValidationError, model_validator
 

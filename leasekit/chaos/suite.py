@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime as dt
 import signal
-import time
 import traceback
 from contextlib import contextmanager
 from pathlib import Path

@@ -253,13 +253,19 @@ class PDPair:
             ServerStartError: it exited, or the second start timed out too (with its diagnosis).
         """
         server: VllmServer = getattr(self, role)
-        try:
-            return server.wait_healthy(self.start_timeout_s)
+        try:  # after another server's restart, this one's window restarts too (it shared the CPU)
+            return server.wait_healthy(self.start_timeout_s, from_now=bool(self.start_retries))
         except ServerStartTimeout as exc:
-            logger.warning("%s did not start in %.0f s; starting it once more. %s", role, self.start_timeout_s, exc)
-            self.start_retries.append(f"{role}: {exc}")
+            why = str(exc)
         server.stop(grace_s=2)
-        server.log_path.rename(server.log_path.with_name(f"{role}-start-timeout.log"))
+        kept = server.log_path.with_name(f"{role}-start-timeout.log")
+        server.log_path.rename(kept)
+        stacks = server.log_path.with_name(f"{role}.stacks.txt")
+        if stacks.exists():
+            stacks.rename(kept.with_name(f"{role}-start-timeout.stacks.txt"))
+        why = why.replace(str(server.log_path), str(kept)).replace(str(stacks), str(kept.with_name(f"{role}-start-timeout.stacks.txt")))
+        logger.warning("%s did not start in %.0f s; starting it once more. %s", role, self.start_timeout_s, why)
+        self.start_retries.append(f"{role}: {why}")
         fresh = self._server(role, role, server.spec.connector, server.spec.cpu, max_num_seqs=server.spec.max_num_seqs)
         setattr(self, role, fresh)
         fresh.start()

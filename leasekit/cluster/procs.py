@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import random
 import signal
 import socket
 import time
@@ -161,11 +162,47 @@ def normal_priority(pids: list[int]) -> int:
     return changed
 
 
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as handle:
+            low, high = (int(x) for x in handle.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """An unused TCP port on ``host`` (bound and released; race-prone only across hosts' users)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    """An unused TCP port on ``host``, outside the kernel's ephemeral range and not handed out before
+    by this process.
+
+    A server binds its ports only after tens of seconds of imports (minutes for a spare started idle).
+    A port the kernel picked (``bind(0)``) could meanwhile be given to anyone binding port 0, vLLM's own
+    ZMQ sockets included (``get_open_port``): seen in CI as ``Address already in use`` on the NIXL
+    side channel, which stops stock vLLM's handshake listener so the engine never becomes ready. Ports
+    below the ephemeral range (``/proc/sys/net/ipv4/ip_local_port_range``) are never given out by the
+    kernel, so a free one stays free until its server binds it.
+
+    Raises:
+        OSError: no free port found in 2000 random tries.
+    """
+    low, _ = _ephemeral_range()
+    top, bottom = min(low, 65536) - 1, 10000 if low > 12000 else 1024
+    rng = random.SystemRandom()
+    for _ in range(2000):
+        port = rng.randint(bottom, top)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise OSError(f"no free TCP port on {host} in [{bottom}, {top}] after 2000 tries")
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.2) -> bool:

@@ -248,8 +248,9 @@ class VllmServer:
         except httpx.HTTPError:
             return False
 
-    def wait_healthy(self, timeout_s: float = 300.0) -> float:
-        """Block until ``/health`` is 200; returns seconds since start.
+    def wait_healthy(self, timeout_s: float = 300.0, *, from_now: bool = False) -> float:
+        """Block until ``/health`` is 200; returns seconds since start. ``timeout_s`` counts from the
+        start (from now for a promoted spare, or with ``from_now``); health is checked at least once.
 
         Raises:
             ServerStartError: the process exited (log tail included).
@@ -259,8 +260,8 @@ class VllmServer:
             raise RuntimeError(f"server {self.spec.name} not started")
         if self.idle:
             raise RuntimeError(f"server {self.spec.name} is a spare started idle: promote() it first")
-        deadline = time.monotonic() + timeout_s if self._started_idle else self.started_at + timeout_s
-        while time.monotonic() < deadline:
+        deadline = time.monotonic() + timeout_s if self._started_idle or from_now else self.started_at + timeout_s
+        while True:  # checked at least once: a server waited for after its deadline (P restarted first) may be up
             if self._started_idle:
                 procs.normal_priority(self.pids())  # processes it spawned since promote()
             if not self.alive():
@@ -271,6 +272,8 @@ class VllmServer:
             if self.healthy():
                 self.pin()
                 return time.monotonic() - self.started_at
+            if time.monotonic() >= deadline:
+                break
             time.sleep(0.5)
         from leasekit.cluster.startdiag import diagnose_start
 

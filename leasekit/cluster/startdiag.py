@@ -50,11 +50,12 @@ def top_cpu_processes(sample_s: float = 0.5, limit: int = 8) -> list[str]:
     rows = []
     for proc in procs:
         try:
+            percent = proc.cpu_percent(None)  # once: oneshot() would cache the CPU times a second call reads
             with proc.oneshot():
                 rows.append(
                     (
-                        proc.cpu_percent(None),
-                        f"pid {proc.pid} cpu {proc.cpu_percent(None):5.1f}% cores {sorted(proc.cpu_affinity())} "
+                        percent,
+                        f"pid {proc.pid} cpu {percent:5.1f}% cores {sorted(proc.cpu_affinity())} "
                         f"{proc.status()} {' '.join(proc.cmdline())[:120] or proc.name()}",
                     )
                 )

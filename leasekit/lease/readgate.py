@@ -17,7 +17,8 @@ Outcomes (a closed set, fit for a metric label): ``verified`` (every P agent sai
 ``ungated`` (a protected read the gate could not check: its hook failed, or another read of the same
 P request by this worker is undecided or ended within ``timeout_s``: discarded), ``unprotected`` (P did
 not mark the request with ``leasekit_protocol``: a stock P; the read is used as stock vLLM does, and only
-counted).
+counted), ``abandoned`` (the request finished on D, e.g. a client abort, before its read was decided: the
+read is reported done only so that vLLM frees the request's blocks; no tokens come of it).
 
 Threat model: verdicts and acknowledgements are trusted as coming from the P agent they name. NIXL's
 UCX backend takes a notification's sender name from the message itself, so a peer that can reach D's
@@ -163,7 +164,7 @@ class ReadGate:
             read.abandoned = True
             self._protected.discard(request_id)
             return
-        if request_id in self._protected:
+        if request_id in self._protected and request_id in self._reads:  # its read was posted, not yet done
             self._finished[request_id] = None
             _bounded(self._finished)
         self.forget(request_id, now)

@@ -119,7 +119,8 @@ ROLE_OF_KEY = {
     VERDICT_TIMEOUT_EXTRA_KEY: "kv_consumer",
     RUN_DIR_EXTRA_KEY: None,
 }
-"""Every LeaseKit extra-config key -> the only role that reads it (None: both)."""
+"""Every LeaseKit extra-config key -> the only role it has an effect on (None: both); the connector range-
+checks every key on every role at start."""
 
 
 def _getter(extra_config: Any):
@@ -155,8 +156,10 @@ def lint_leasekit_keys(extra: Mapping, role: object, lease_duration_s: float | N
             close = difflib.get_close_matches(key, ROLE_OF_KEY, n=1)
             found.append((f"{field_prefix}.{key}", "warning", f"{key} is not a LeaseKitConnector key: it is ignored",
                            f"did you mean {close[0]}?" if close else f"use one of {', '.join(sorted(ROLE_OF_KEY))}"))
-        elif ROLE_OF_KEY[key] is not None and role in ("kv_producer", "kv_consumer") and role != ROLE_OF_KEY[key]:
+        elif (ROLE_OF_KEY[key] is not None and role in ("kv_producer", "kv_consumer") and role != ROLE_OF_KEY[key]
+              and not any(f[0] == f"{field_prefix}.{key}" for f in found)):  # an out-of-range value says enough
             side = "P (kv_producer)" if ROLE_OF_KEY[key] == "kv_producer" else "D (kv_consumer)"
-            found.append((f"{field_prefix}.{key}", "warning", f"{key} is read only on {side}: on {role} it is ignored",
-                           f"set it in the {side} config"))
+            found.append((f"{field_prefix}.{key}", "warning",
+                          f"{key} has an effect only on {side}: on {role} it is only range-checked at start",
+                          f"set it in the {side} config"))
     return found

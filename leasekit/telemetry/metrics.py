@@ -131,13 +131,15 @@ LATE_COMPLETIONS = MetricSpec(
     PREFIX + "late_completions", "counter",
     "Read-completion notifications for a lease that had already ended (the read may have used freed KV "
     "blocks): counts per notification, i.e. per request per consumer rank, per P TP rank. fail_closed=\"true\": "
-    "the D agent speaks the fail-closed protocol, P answered it 'reaped' and D discards the read; "
+    "the D agent speaks the fail-closed protocol, P answered it 'reaped' and D discards the read (unless an "
+    "ack had already proven it finished in time); "
     "fail_closed=\"false\": the read may have become tokens.",
     _RANK + ("remote_agent", "fail_closed"), "P")
 HEARTBEATS_SENT = MetricSpec(
     PREFIX + "heartbeats_sent", "counter",
     "Heartbeat notifications D sent: counts per notification (one per remote P engine per P TP rank per "
-    "heartbeat interval, naming all of that engine's requests), per D TP rank.",
+    "heartbeat interval, naming all of that engine's requests, plus one read probe per fail-closed read), "
+    "per D TP rank.",
     _RANK + ("remote_engine_id",), "D")
 HEARTBEAT_SEND_FAILURES = MetricSpec(
     PREFIX + "heartbeat_send_failures", "counter",
@@ -185,8 +187,9 @@ READS = MetricSpec(
     "to a request that finished on D (aborted) before the verdict.", _RANK + ("outcome",), "D")
 READ_VERDICT_WAIT = MetricSpec(
     PREFIX + "read_verdict_wait_seconds", "histogram",
-    "Seconds D held a finished read back waiting for P's verdict (the fail-closed protocol's cost: one "
-    "notification round trip plus P's step), per D TP rank.", _RANK, "D",
+    "Seconds D held a finished read back waiting for P's verdict (the fail-closed protocol's cost: at most "
+    "one notification round trip plus P's step; unprotected and abandoned reads are not observed), per D "
+    "TP rank.", _RANK, "D",
     (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 6, 10))
 VERDICT_SEND_FAILURES = MetricSpec(
     PREFIX + "verdict_send_failures", "counter",

@@ -10,8 +10,9 @@ A read of P's KV blocks becomes tokens only after P confirmed that the lease cov
   releases the read with no wait if it arrives before the read finishes); record which P agents must answer for the request;
 - ``_pop_done_transfers`` (``base_worker.py``) for ``_recving_transfers``: a protected read that finished
   is held back instead of reported done (its deferred mixed-memory completions are sent now, so P hears
-  of it); each step, held reads are decided: ``verified`` ones are reported done, ``reaped`` and
-  ``timeout`` ones are reported failed, so vLLM puts their local blocks in ``_invalid_block_ids`` and
+  of it); each step, held reads are decided: ``verified`` ones are reported done (and ``abandoned`` ones,
+  whose request already finished on D, so that vLLM frees its blocks), ``reaped``, ``timeout`` and
+  ``ungated`` ones are reported failed, so vLLM puts their local blocks in ``_invalid_block_ids`` and
   the scheduler applies ``kv_load_failure_policy`` (``recompute``, or a request-level error). Reads of
   requests P did not mark (stock P) are ``unprotected``: used as stock does, and counted.
 

@@ -61,7 +61,8 @@ MAX_PENDING_VERDICTS_PER_AGENT = 256
 MAX_PENDING_AGENTS = 64
 """Agents with kept verdicts (stock D agents never say hello; the oldest agent's are dropped first)."""
 MAX_PROTOCOL_AGENTS = 1024
-"""D agents P keeps loaded from hellos (each holds a UCX endpoint); beyond it the oldest is unloaded."""
+"""D agents P keeps loaded from hellos (each holds a UCX endpoint); beyond it the least recently answered is
+unloaded (its D says hello again after one read times out)."""
 
 
 

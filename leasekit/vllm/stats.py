@@ -258,7 +258,7 @@ class LeaseKitPromMetrics(NixlPromMetrics):
             self._child(m.NOTIFICATIONS_DROPPED, engine_idx, rank, reason).inc(count)
         for rank, outcome, wait_s in d.get(READS, ()):
             self._child(m.READS, engine_idx, rank, outcome).inc()
-            if outcome != "unprotected":
+            if outcome not in ("unprotected", "abandoned"):  # the protocol's cost, not a client's abort
                 self._child(m.READ_VERDICT_WAIT, engine_idx, rank).observe(wait_s)
         for (rank,) in d.get(VERDICT_FAILS, ()):
             self._child(m.VERDICT_SEND_FAILURES, engine_idx, rank).inc()

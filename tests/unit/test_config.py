@@ -279,10 +279,11 @@ def test_leasekit_keys_are_linted_as_the_connector_refuses_them():
     assert typo.severity == "warning" and typo.fix == "did you mean leasekit_fail_closed?"
     findings = lint_kv_transfer_config(_leasekit("kv_consumer", "recompute", leasekit_fail_closed=True, leasekit_max_hold_s=3))
     assert [(f.field, f.severity) for f in findings] == [
-        ("kv_connector_extra_config.leasekit_max_hold_s", "error"),  # 3 < L = 6
-        ("kv_connector_extra_config.leasekit_fail_closed", "warning"),  # only P reads it
-        ("kv_connector_extra_config.leasekit_max_hold_s", "warning"),
+        ("kv_connector_extra_config.leasekit_max_hold_s", "error"),  # 3 < L = 6 (refused on every role)
+        ("kv_connector_extra_config.leasekit_fail_closed", "warning"),  # only P acts on it
     ]
+    (role,) = [f for f in lint_kv_transfer_config(_leasekit("kv_consumer", "recompute", leasekit_max_hold_s=60))]
+    assert role.severity == "warning" and "only on P (kv_producer)" in role.message
     assert "[kv_lease_duration=6, 86400]" in findings[0].message
 
 

@@ -142,6 +142,9 @@ def test_a_read_still_in_flight_when_its_request_finished_is_abandoned_not_unpro
     assert g.pop_finished("d1") and not g.pop_finished("d1")
     g.finish("never-protected")
     assert not g.pop_finished("never-protected")
+    g.protect("d3")  # protected, but its read was never posted (a full local prefix hit): nothing kept
+    g.finish("d3")
+    assert g._finished == {} and not g.pop_finished("d3")
 
 
 def test_a_second_read_of_the_same_p_request_is_not_verified_by_the_first_ones_verdict():
