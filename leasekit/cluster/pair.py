@@ -260,10 +260,10 @@ class PDPair:
         server.stop(grace_s=2)
         kept = server.log_path.with_name(f"{role}-start-timeout.log")
         server.log_path.rename(kept)
-        stacks = server.log_path.with_name(f"{role}.stacks.txt")
+        stacks, kept_stacks = (server.log_path.with_name(f"{stem}.stacks.txt") for stem in (role, f"{role}-start-timeout"))
         if stacks.exists():
-            stacks.rename(kept.with_name(f"{role}-start-timeout.stacks.txt"))
-        why = why.replace(str(server.log_path), str(kept)).replace(str(stacks), str(kept.with_name(f"{role}-start-timeout.stacks.txt")))
+            stacks.rename(kept_stacks)
+        why = why.replace(str(server.log_path), str(kept)).replace(str(stacks), str(kept_stacks))
         logger.warning("%s did not start in %.0f s; starting it once more. %s", role, self.start_timeout_s, why)
         self.start_retries.append(f"{role}: {why}")
         fresh = self._server(role, role, server.spec.connector, server.spec.cpu, max_num_seqs=server.spec.max_num_seqs)

@@ -138,11 +138,11 @@ def lint_leasekit_keys(extra: Mapping, role: object, lease_duration_s: float | N
         ``leasekit_*`` key (warning, with the closest known key), a key the role ignores (warning).
     """
     found: list[tuple[str, str, str, str]] = []
-    checks = [(FAIL_CLOSED_EXTRA_KEY, lambda: fail_closed_enabled(extra))]
+    checks = [lambda: fail_closed_enabled(extra)]
     if lease_duration_s is not None:
-        checks += [(MAX_HOLD_EXTRA_KEY, lambda: notification_settings(extra, lease_duration_s)),
-                   (VERDICT_TIMEOUT_EXTRA_KEY, lambda: verdict_timeout(extra, lease_duration_s))]
-    for _key, check in checks:
+        checks += [lambda: notification_settings(extra, lease_duration_s),
+                   lambda: verdict_timeout(extra, lease_duration_s)]
+    for check in checks:
         try:
             check()
         except (NotificationConfigError, ReadGateConfigError) as exc:

@@ -77,7 +77,12 @@ from leasekit.telemetry.decode_spans import HeartbeatSpanRecorder  # noqa: E402
 from leasekit.telemetry.lease_log import LeaseLogObserver, RateLimitedWarning, lease_logger  # noqa: E402
 from leasekit.telemetry.lease_spans import LeaseSpanRecorder  # noqa: E402
 from leasekit.telemetry.provider import build_tracer_provider  # noqa: E402
-from leasekit.lease.settings import fail_closed_enabled, notification_settings, verdict_timeout  # noqa: E402
+from leasekit.lease.settings import (  # noqa: E402
+    RUN_DIR_EXTRA_KEY,
+    fail_closed_enabled,
+    notification_settings,
+    verdict_timeout,
+)
 from leasekit.vllm.dgate import DReadGating  # noqa: E402
 from leasekit.vllm.dheartbeats import DHeartbeats  # noqa: E402
 from leasekit.vllm.faultpoints import FaultPoints  # noqa: E402
@@ -106,7 +111,6 @@ if TYPE_CHECKING:
 logger = init_logger("vllm.leasekit.connector")
 
 RUN_DIR_ENV = "LEASEKIT_RUN_DIR"
-RUN_DIR_EXTRA_KEY = "leasekit_run_dir"
 DEFAULT_RUN_DIR = "leasekit-run"
 
 
