@@ -55,9 +55,9 @@ class LaunchSection(Strict):
     decode_wall_rate: float = Field(1.0, gt=0, le=100)
     network_namespace: bool = False
     warm_up: bool = True
-    fail_closed: bool = False
-    """LeaseKit target only: start P with ``leasekit_fail_closed = true`` (docs/fail-closed.md; off by
-    default because a P connected back to D can crash when that D is killed, see there)."""
+    fail_closed: bool = True
+    """LeaseKit target only: P's ``leasekit_fail_closed`` (docs/fail-closed.md; the connector's default,
+    true; false runs the scenario with the protocol off)."""
 
 
 class WorkloadSection(Strict):

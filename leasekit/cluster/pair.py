@@ -68,7 +68,7 @@ class PairSpec:
     (``recompute`` by default here: a read LeaseKit D discards is recomputed; ``fail`` ends the request
     with an error; vLLM's own default is ``fail``), and P's KV cache in bytes (None: the server default,
     64 MiB; a small one makes freed blocks reused soon), and whether LeaseKit P turns on the fail-closed
-    protocol (``leasekit_fail_closed``; off by default, docs/fail-closed.md)."""
+    protocol (``leasekit_fail_closed``, the connector's default; False sets it false, docs/fail-closed.md)."""
 
     prefill_connector: str = "leasekit"
     decode_connector: str = "leasekit"
@@ -90,7 +90,7 @@ class PairSpec:
     prefill_max_hold_s: float | None = None
     decode_kv_load_failure_policy: str | None = "recompute"
     prefill_kv_cache_bytes: int | None = None
-    fail_closed: bool = False
+    fail_closed: bool = True
 
     def launch_key(self) -> tuple:
         """Everything that needs a fresh pair when it changes."""
@@ -203,8 +203,8 @@ class PDPair:
         extra: dict[str, object] = {}
         if role == "prefill" and self.spec.prefill_max_hold_s is not None:
             extra["leasekit_max_hold_s"] = self.spec.prefill_max_hold_s
-        if role == "prefill" and self.spec.fail_closed:
-            extra["leasekit_fail_closed"] = True
+        if role == "prefill" and not self.spec.fail_closed and self.spec.prefill_connector == "leasekit":
+            extra["leasekit_fail_closed"] = False
         return extra
 
     # -- lifecycle -------------------------------------------------------------------------

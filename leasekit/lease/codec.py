@@ -16,10 +16,12 @@ everything else: it never raises.
 
 LeaseKit peers speak a small protocol on top (``LK1:``; docs/fail-closed.md), used only between peers
 that discovered each other: P marks the ``kv_transfer_params`` it returns with
-``"leasekit_protocol": 1``; a LeaseKit D that sees the marker sends P the heartbeat ``HB:LK1~H~<base64
-NIXL partial agent metadata>`` (connection info only, so that P can notify it back; a stock P ignores
-heartbeat ids it does not hold, so even a wrongly marked request cannot crash it) and then waits, per
-read, for P's ``LK1:V:ok:<id>`` or ``LK1:V:reaped:<id>``. A stock D never receives an ``LK1:`` message.
+``"leasekit_protocol": 2``; a LeaseKit D that sees the marker sends P the heartbeat ``HB:LK1~H~<base64
+endpoint>`` (the ZMQ endpoint of its verdict inbox, so that P can answer it without a NIXL connection back;
+a stock P ignores heartbeat ids it does not hold, so even a wrongly marked request cannot crash it) and
+then waits, per read, for P's ``LK1:V:ok:<id>`` or ``LK1:V:reaped:<id>`` on that inbox. A stock D never
+receives an ``LK1:`` message. Version 1 (verdicts as NIXL notifications) is not spoken: each side treats the
+other version's requests as a stock peer's (unprotected, counted).
 """
 
 from __future__ import annotations
@@ -71,9 +73,12 @@ protocol message and dropped as ``bad_protocol``."""
 PROTOCOL_PARAM = "leasekit_protocol"
 """Key LeaseKit P adds to the ``kv_transfer_params`` it returns (value :data:`PROTOCOL_VERSION`); stock D
 ignores unknown keys (vllm 0.32.0 ``nixl/pull_scheduler.py`` reads with ``params.get``)."""
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+"""2: P -> D verdicts and acknowledgements over ZMQ (leasekit/vllm/verdictchan.py); 1 sent them as NIXL
+notifications over a UCX connection P opened back to D."""
 HELLO_TOKEN_PREFIX = "LK1~H~"
-"""A heartbeat id ``LK1~H~<base64 NIXL partial agent metadata>`` is D's hello (base64 holds no ``,``)."""
+"""A heartbeat id ``LK1~H~<base64 endpoint>`` is D's hello: the ZMQ endpoint ``tcp://<host>:<port>`` of that D
+worker's verdict inbox (leasekit/vllm/verdictchan.py; base64 holds no ``,``)."""
 VERDICT_PREFIX = PROTOCOL_PREFIX + "V:"
 ACK_PREFIX = PROTOCOL_PREFIX + "A:"
 SEQUENCE_TOKEN_PREFIX = "LK1~"
@@ -148,16 +153,16 @@ class Ack:
 Notification = Heartbeat | Completion | Verdict | Ack | DecodeError
 
 
-def encode_hello(agent_metadata: bytes) -> bytes:
-    """The hello heartbeat ``HB:LK1~H~<base64 agent_metadata>`` (NIXL ``get_partial_agent_metadata``
-    bytes, ~340 with UCX: well under the 1024-char heartbeat id limit).
+def encode_hello(endpoint: bytes) -> bytes:
+    """The hello heartbeat ``HB:LK1~H~<base64 endpoint>``: ``endpoint`` is the ASCII ZMQ endpoint of the
+    sending D worker's verdict inbox (``tcp://10.0.0.7:41234``, about 25 bytes).
 
     Raises:
         ValueError: the encoded id would exceed :data:`MAX_HEARTBEAT_ID_CHARS`.
     """
-    token = HELLO_TOKEN_PREFIX + base64.b64encode(bytes(agent_metadata)).decode()
+    token = HELLO_TOKEN_PREFIX + base64.b64encode(bytes(endpoint)).decode()
     if len(token) > MAX_HEARTBEAT_ID_CHARS:
-        raise ValueError(f"agent metadata of {len(agent_metadata)} bytes is too large for a hello heartbeat id")
+        raise ValueError(f"a hello endpoint of {len(endpoint)} bytes is too large for a heartbeat id")
     return (HEARTBEAT_PREFIX + token).encode()
 
 
@@ -177,8 +182,8 @@ def sequence_token(seq: int) -> str:
 
 
 def split_protocol_ids(req_ids: Iterable[str]) -> tuple[int | None, bytes | None, tuple[str, ...]]:
-    """``(seq, hello metadata, the other ids)`` of a heartbeat's ids: ``seq`` from a valid ``LK1~<n>``,
-    the hello's decoded metadata from a valid ``LK1~H~<base64>`` (None when absent or not base64)."""
+    """``(seq, hello endpoint bytes, the other ids)`` of a heartbeat's ids: ``seq`` from a valid ``LK1~<n>``,
+    the hello's decoded payload from a valid ``LK1~H~<base64>`` (None when absent or not base64)."""
     seq, hello, rest = None, None, []
     for req_id in req_ids:
         if req_id.startswith(HELLO_TOKEN_PREFIX):

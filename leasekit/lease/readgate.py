@@ -20,9 +20,9 @@ not mark the request with ``leasekit_protocol``: a stock P; the read is used as 
 counted), ``abandoned`` (the request finished on D, e.g. a client abort, before its read was decided: the
 read is reported done only so that vLLM frees the request's blocks; no tokens come of it).
 
-Threat model: verdicts and acknowledgements are trusted as coming from the P agent they name. NIXL's
-UCX backend takes a notification's sender name from the message itself, so a peer that can reach D's
-NIXL endpoint could forge them; the gate bounds what a forged ack can claim (at most ``L``) and starts
+Threat model: verdicts and acknowledgements are trusted as coming from the P agent they name (the first
+frame of a ZMQ message, leasekit/vllm/verdictchan.py), so a peer that can reach D's verdict inbox could
+forge them; the gate bounds what a forged ack can claim (at most ``L``) and starts
 its sequence numbers at a random value, but it is not an authenticated protocol.
 """
 

@@ -93,19 +93,19 @@ FAIL_CLOSED_EXTRA_KEY = "leasekit_fail_closed"
 
 
 def fail_closed_enabled(extra_config: Any) -> bool:
-    """Whether P turns on the fail-closed protocol: ``kv_connector_extra_config.leasekit_fail_closed``
-    (bool, default False). Off by default: with it on, P opens NIXL connections back to D agents, and
-    UCX was seen to crash P's worker when such a D was SIGKILLed (docs/fail-closed.md).
+    """Whether P speaks the fail-closed protocol: ``kv_connector_extra_config.leasekit_fail_closed``
+    (bool, default True; docs/fail-closed.md). False makes P a stock P on the wire: it marks no request,
+    ignores hellos and never sends a D anything (its verdicts and acks travel over ZMQ, never NIXL).
 
     Raises:
         ReadGateConfigError: not a bool.
     """
     get = _getter(extra_config)
-    value = get(FAIL_CLOSED_EXTRA_KEY, False)
+    value = get(FAIL_CLOSED_EXTRA_KEY, True)
     if not isinstance(value, bool):
         raise ReadGateConfigError(
             f"kv_connector_extra_config.{FAIL_CLOSED_EXTRA_KEY}={value!r}: must be true or false; fix: a JSON "
-            "boolean, or leave it unset (false)"
+            "boolean, or leave it unset (true)"
         )
     return value
 

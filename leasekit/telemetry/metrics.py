@@ -193,8 +193,8 @@ READ_VERDICT_WAIT = MetricSpec(
     (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 6, 10))
 VERDICT_SEND_FAILURES = MetricSpec(
     PREFIX + "verdict_send_failures", "counter",
-    "Read verdicts P failed to send to a D agent (NIXL send_notif raised; D discards that read after its "
-    "timeout): counts per verdict, per P TP rank.", _RANK, "P")
+    "Read verdicts P failed to send to a D agent (its ZMQ queue was full: D gone, partitioned or not reading; "
+    "D discards that read after its timeout): counts per verdict, per P TP rank.", _RANK, "P")
 
 HANDSHAKE_BAD_REASONS = (
     "bad_frames", "oversized", "bad_msgpack", "bad_shape", "unknown_tag", "unknown_rank", "internal_error",

@@ -21,9 +21,10 @@ life (``leasekit_max_hold_s``, default max(480 s, L)). The scheduler's side-chan
 refuses, counts and survives malformed handshake requests, and its liveness reaches ``/metrics``
 through the scheduler-role ``get_kv_connector_stats``.
 
-Fail closed (docs/fail-closed.md; opt-in with ``leasekit_fail_closed`` on P): P marks the
+Fail closed (docs/fail-closed.md; on unless ``leasekit_fail_closed`` is false on P): P marks the
 ``kv_transfer_params`` it returns with ``leasekit_protocol``; a LeaseKit D then holds each finished read until P confirmed that the lease
-covered it (:mod:`leasekit.vllm.dgate`, P's side in :mod:`leasekit.vllm.notifs`), and a read P had
+covered it (:mod:`leasekit.vllm.dgate`, P's side in :mod:`leasekit.vllm.notifs`, P's answers over ZMQ in
+:mod:`leasekit.vllm.verdictchan`), and a read P had
 reaped, or not confirmed in time, is reported failed so vLLM's ``kv_load_failure_policy`` applies.
 D's heartbeat sending and the chaos fault points are :mod:`leasekit.vllm.dheartbeats`.
 
@@ -37,7 +38,7 @@ Configuration (``kv_connector_extra_config``): ``kv_lease_duration`` (vLLM's own
 ``leasekit_max_hold_s`` (seconds, ``[L, max(L, 86400)]``, default ``max(480, L)``), ``leasekit_max_notification_bytes``
 (``[1024, 64 MiB]``, default 1 MiB), ``leasekit_verdict_timeout_s`` (D: seconds to wait for P's
 verdict on a read, ``[0.05, 86400]``, default ``min(L, 600)``), ``leasekit_fail_closed`` (P: mark
-requests for the fail-closed protocol; default false); an out-of-range value stops the engine at
+requests for the fail-closed protocol; default true); an out-of-range value stops the engine at
 start with the fix.
 Telemetry errors are logged (rate-limited) and never raised into the engine loop.
 """
@@ -263,6 +264,8 @@ class LeaseKitPullWorker(DHeartbeats, DReadGating, PNotificationHandling, NixlPu
         try:
             self._lk.abort_all("worker shutdown")
             self._lk_hb.untrack_all("worker shutdown")
+            self._lk_close_gate()
+            self._lk_close_notifications()
             self._lk_provider.shutdown()
         except Exception as exc:
             self._lk_errors.report("shutdown", exc)

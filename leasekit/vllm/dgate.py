@@ -5,8 +5,8 @@ A read of P's KV blocks becomes tokens only after P confirmed that the lease cov
 
 - ``_read_blocks`` (``pull_worker.py``): before the first read from a P agent for a request P marked
   with ``leasekit_protocol``, say hello to that agent: a heartbeat whose only id is
-  ``LK1~H~<base64 NIXL partial agent metadata>`` (connection info only; a stock P ignores an id it does
-  not hold) so that P can notify D back; then a read probe (a heartbeat naming that lease, whose ack
+  ``LK1~H~<base64 ZMQ endpoint>`` (this worker's verdict inbox, :mod:`leasekit.vllm.verdictchan`; a
+  stock P ignores an id it does not hold) so that P can answer D; then a read probe (a heartbeat naming that lease, whose ack
   releases the read with no wait if it arrives before the read finishes); record which P agents must answer for the request;
 - ``_pop_done_transfers`` (``base_worker.py``) for ``_recving_transfers``: a protected read that finished
   is held back instead of reported done (its deferred mixed-memory completions are sent now, so P hears
@@ -27,7 +27,14 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from leasekit.lease.codec import encode_hello, sequence_token
+from leasekit.lease.codec import (
+    REASON_BAD_PROTOCOL,
+    Ack,
+    Verdict,
+    decode_notification,
+    encode_hello,
+    sequence_token,
+)
 from leasekit.lease.readgate import (
     OUTCOME_ABANDONED,
     OUTCOME_TIMEOUT,
@@ -42,39 +49,61 @@ from leasekit.telemetry import semconv as sc
 from leasekit.telemetry.lease_log import RateLimitedWarning, lease_logger
 from leasekit.vllm.kvdigest import KV_DIGEST_ATTR, kv_digest
 from leasekit.vllm.taps import HEARTBEAT_PREFIX
+from leasekit.vllm.verdictchan import MAX_MESSAGE_BYTES, VerdictInbox
 
-
-
-def partial_agent_metadata(nixl_wrapper: Any) -> bytes:
-    """This worker's NIXL agent metadata with connection info only (no memory descriptors): what P
-    needs to ``add_remote_agent`` and ``send_notif`` back. About 340 bytes with UCX."""
-    from nixl._api import nixlBind  # NIXL's own bindings, as vLLM imports them
-
-    return bytes(nixl_wrapper.get_partial_agent_metadata(nixlBind.nixlRegDList(nixlBind.DRAM_SEG),
-                                                         inc_conn_info=True, backends=["UCX"]))
+MAX_ENGINE_HOSTS = 4096
+"""P engines whose side-channel host D remembers (the oldest are forgotten first)."""
 
 
 class DReadGating:
     """Mixin for LeaseKitConnector's NIXL worker (needs vLLM's ``_remote_agents``, ``_recving_transfers``,
     ``_recving_metadata``, ``_send_pending_recv_notifs``, ``nixl_wrapper`` and LeaseKit's ``_lk_stats``,
-    ``_lk_errors``, ``_lk_hb`` (D's heartbeat spans: the read span joins the request's trace)). Call :meth:`_lk_init_gate` in ``__init__``."""
+    ``_lk_errors``, ``_lk_hb`` (D's heartbeat spans: the read span joins the request's trace)). Call :meth:`_lk_init_gate` in ``__init__``
+    and :meth:`_lk_close_gate` at shutdown."""
 
     def _lk_init_gate(self, timeout_s: float, lease_duration_s: float, tracer: Any) -> None:
         self._lk_gate = ReadGate(timeout_s, max_remaining_s=lease_duration_s)
         self._lk_gate_tracer = tracer
         self._lk_hello_sent: set[str] = set()
-        self._lk_hello_msg: bytes | None = None
+        self._lk_hello_msgs: dict[str, tuple[str, bytes]] = {}  # P host -> (inbox endpoint routed to it, hello)
+        self._lk_inbox = VerdictInbox()
+        self._lk_engine_hosts: dict[str, str] = {}  # P engine id -> its side-channel host
         self._lk_gate_warning = RateLimitedWarning(lease_logger())
         self._lk_read_digests: dict[str, str] = {}  # only with fault points (kvdigest.py)
         self._lk_protocol_engines: set[str] = set()
 
+    def _lk_close_gate(self) -> None:
+        """Close the verdict inbox (worker shutdown)."""
+        self._lk_inbox.close()
+
     def _lk_protect(self, marked: Any) -> None:
-        """Requests P marked with ``leasekit_protocol``: ``[D request id, P engine id]`` pairs from the
-        scheduler's metadata. That P engine speaks the protocol: D may say hello to it."""
-        for request_id, engine_id in marked or ():
+        """Requests P marked with ``leasekit_protocol``: ``[D request id, P engine id, P host]`` from the
+        scheduler's metadata. That P engine speaks the protocol: D may say hello to it, naming the inbox
+        endpoint its kernel routes to that host from."""
+        for request_id, engine_id, *host in marked or ():
             self._lk_gate.protect(request_id)
             if engine_id:
                 self._lk_protocol_engines.add(str(engine_id))
+                if host and host[0]:
+                    self._lk_engine_hosts.pop(str(engine_id), None)  # most recent last
+                    self._lk_engine_hosts[str(engine_id)] = str(host[0])
+                    if len(self._lk_engine_hosts) > MAX_ENGINE_HOSTS:
+                        del self._lk_engine_hosts[next(iter(self._lk_engine_hosts))]
+
+    def _lk_receive_verdicts(self) -> None:
+        """Hand every verdict and acknowledgement waiting in the inbox to the gate; anything else there
+        is dropped and counted (``bad_protocol``). Called each step before held reads are decided."""
+        received, malformed = self._lk_inbox.drain()
+        for _ in range(malformed):
+            self._lk_drop(REASON_BAD_PROTOCOL, "?", "verdict inbox: not [P agent name, message]")
+        for agent, raw in received:
+            message = decode_notification(raw, max_bytes=MAX_MESSAGE_BYTES)
+            if isinstance(message, Verdict):
+                self._lk_gate.verdict(agent, message.req_id, message.ok)
+            elif isinstance(message, Ack):
+                self._lk_gate.ack(agent, message.seq, message.remaining_s, message.req_ids)
+            else:
+                self._lk_drop(REASON_BAD_PROTOCOL, agent, "verdict inbox: neither a verdict nor an ack")
 
     def _lk_finished(self, request_ids: Any) -> None:
         """Protected requests that finished on D (scheduler's ``request_finished``: served, aborted or
@@ -88,9 +117,10 @@ class DReadGating:
         agents, so that P acknowledges these heartbeats (the gate's fast path)."""
         try:
             for engine_id in heartbeat_by_engine or ():
-                if engine_id in self._lk_protocol_engines and engine_id in self._remote_agents:
+                if (engine_id in self._lk_protocol_engines and engine_id in self._remote_agents
+                        and engine_id in self._lk_engine_hosts):
                     for agent in self._remote_agents[engine_id].values():
-                        self._lk_say_hello(agent)
+                        self._lk_say_hello(agent, engine_id)
         except Exception as exc:  # acks are an optimisation: without them D waits for verdicts
             self._lk_errors.report("hello", exc)
 
@@ -120,7 +150,7 @@ class DReadGating:
                 spec, engine = kwargs["read_spec"], kwargs["dst_engine_id"]
                 agent = self._remote_agents[engine][(0, spec.remote_rank)]
                 self._lk_gate.expect(request_id, agent_name(agent), kwargs["remote_request_id"])
-                self._lk_say_hello(agent)
+                self._lk_say_hello(agent, engine)
             except Exception as exc:  # fail closed: this read will be discarded, never served unchecked
                 self._lk_gate.ungate(request_id)
                 self._lk_errors.report("read gate", exc)
@@ -141,16 +171,27 @@ class DReadGating:
         except Exception as exc:
             self._lk_errors.report("read probe", exc)
 
-    def _lk_say_hello(self, agent: str | bytes) -> None:
+    def _lk_say_hello(self, agent: str | bytes, engine_id: str) -> None:
+        """Tell P agent ``agent`` (of P engine ``engine_id``) where to send its verdicts, once.
+
+        Raises:
+            KeyError: D does not know that engine's host (its request was not marked).
+            OSError, zmq.ZMQError: no route to that host, or the inbox could not bind.
+        """
         if agent_name(agent) in self._lk_hello_sent:
             return
-        if self._lk_hello_msg is None:
-            self._lk_hello_msg = encode_hello(partial_agent_metadata(self.nixl_wrapper))
+        host = self._lk_engine_hosts[str(engine_id)]
+        hello = self._lk_hello_msgs.get(host)
+        if hello is None:
+            if len(self._lk_hello_msgs) >= MAX_ENGINE_HOSTS:
+                self._lk_hello_msgs.clear()
+            endpoint = self._lk_inbox.endpoint_for(host)
+            hello = self._lk_hello_msgs[host] = (endpoint, encode_hello(endpoint.encode()))
         raw = getattr(self.nixl_wrapper, "_wrapped", self.nixl_wrapper)  # not counted as a heartbeat
-        raw.send_notif(agent, notif_msg=self._lk_hello_msg)
+        raw.send_notif(agent, notif_msg=hello[1])
         self._lk_hello_sent.add(agent_name(agent))
-        lease_logger().info("LeaseKit: said hello to P agent %s (%d bytes): reads from it wait for its verdicts",
-                            agent_name(agent), len(self._lk_hello_msg))
+        lease_logger().info("LeaseKit: said hello to P agent %s (verdicts to %s): reads from it wait for its verdicts",
+                            agent_name(agent), hello[0])
 
     def _pop_done_transfers(self, transfers: dict[str, list[int]]) -> tuple[set[str], set[str]]:
         """Stock polling; finished protected reads are held back, and held reads P answered (or that
@@ -159,6 +200,10 @@ class DReadGating:
         done, failed = super()._pop_done_transfers(transfers)
         if transfers is not self._recving_transfers:
             return done, failed
+        try:
+            self._lk_receive_verdicts()
+        except Exception as exc:  # held reads then wait (and time out): never served unchecked
+            self._lk_errors.report("verdict inbox", exc)
         now = time.perf_counter()
         decided: list[GateResult] = []
         for request_id in list(done):

@@ -18,15 +18,16 @@ request in ``_reqs_to_send``/``_reqs_to_process`` counts one consumer, and the b
   ``notifications_after_expiry`` counter);
 - max hold: no heartbeat extends a lease past ``grant + max_hold_s`` (default max(480 s, L),
   ``leasekit_max_hold_s``); such a lease expires with cause ``max_hold``;
-- the LeaseKit protocol (docs/fail-closed.md): a hello (the heartbeat id ``LK1~H~<base64 metadata>``)
-  from a D agent adds that agent (connection info only; one naming another agent is unloaded and
-  dropped as ``bad_hello``; at most 1024 are kept, the least recently used unloaded first) so P can notify it; every completion from such an agent is answered
+- the LeaseKit protocol (docs/fail-closed.md): a hello (the heartbeat id ``LK1~H~<base64 endpoint>``)
+  from a D agent names the ZMQ endpoint of that D worker's verdict inbox (:mod:`leasekit.vllm.verdictchan`;
+  a bad one is dropped as ``bad_hello``, a later one replaces it; at most 1024 D agents are kept, the least
+  recently used closed first) so P can answer it without a NIXL (UCX) connection back to D; every completion from such an agent is answered
   with a verdict ``LK1:V:ok|reaped:<id>`` (``ok`` iff the lease was live when P handled it); ``ok``
   verdicts for an agent whose hello has not arrived yet are kept (bounded) and sent when it does. Every heartbeat
   from such an agent that carries D's sequence token ``LK1~<n>`` is acknowledged,
   ``LK1:A:<n>:<remaining ms>:<ids>`` (the ids it extended and the least time left over them, counted from
-  ``now``, read before the batch was handled). Verdicts and
-  acknowledgements received (D side) go to the read gate (:mod:`leasekit.vllm.dgate`).
+  ``now``, read before the batch was handled). A verdict or acknowledgement arriving as a NIXL notification is
+  ``bad_protocol`` (they travel over ZMQ; D's inbox hands them to its read gate, :mod:`leasekit.vllm.dgate`).
 
 Each drop is one ``leasekit_kv_lease_notifications_dropped_total{reason}`` increment and a WARNING at
 most every 10 s (with the suppressed count). An unexpected exception while handling one message drops
@@ -41,6 +42,7 @@ from typing import Any
 
 from leasekit.lease.binding import DUPLICATE, FOREIGN, RELEASED, LeaseBinding
 from leasekit.lease.codec import (
+    REASON_BAD_PROTOCOL,
     Ack,
     Completion,
     DecodeError,
@@ -55,14 +57,15 @@ from leasekit.lease.codec import (
 from leasekit.lease.readgate import agent_name
 from leasekit.telemetry import lease_events as ev
 from leasekit.telemetry.lease_log import RateLimitedWarning, lease_logger
+from leasekit.vllm.verdictchan import VerdictOutbox, check_endpoint
 
 MAX_PENDING_VERDICTS_PER_AGENT = 256
 """Verdicts kept for one D agent whose hello has not arrived (the oldest go first)."""
 MAX_PENDING_AGENTS = 64
 """Agents with kept verdicts (stock D agents never say hello; the oldest agent's are dropped first)."""
 MAX_PROTOCOL_AGENTS = 1024
-"""D agents P keeps loaded from hellos (each holds a UCX endpoint); beyond it the least recently answered is
-unloaded (its D says hello again after one read times out)."""
+"""D agents P keeps from hellos (each holds a ZMQ socket, one TCP connection); beyond it the least recently
+answered is closed (its D says hello again after one read times out)."""
 
 
 
@@ -87,6 +90,12 @@ class PNotificationHandling:
         self._lk_verdict_warning = RateLimitedWarning(lease_logger())
         self._lk_protocol_agents: dict[str, None] = {}  # insertion-ordered set
         self._lk_pending_verdicts: dict[str, deque[bytes]] = {}
+        self._lk_outbox: VerdictOutbox | None = None  # made at the first hello
+
+    def _lk_close_notifications(self) -> None:
+        """Close every verdict socket (worker shutdown)."""
+        if self._lk_outbox is not None:
+            self._lk_outbox.close()
 
     def _get_new_notifs(self) -> set[str]:
         """Drain NIXL notifications (see module docstring); returns the request ids whose blocks every
@@ -116,43 +125,43 @@ class PNotificationHandling:
             self._lk_heartbeat(agent, message.req_ids, now)
         elif isinstance(message, Completion):
             self._lk_completion(agent, message, now, done)
-        elif isinstance(message, Verdict):
-            gate = getattr(self, "_lk_gate", None)
-            if gate is not None:
-                gate.verdict(agent, message.req_id, message.ok)
-        elif isinstance(message, Ack):
-            gate = getattr(self, "_lk_gate", None)
-            if gate is not None:
-                gate.ack(agent, message.seq, message.remaining_s, message.req_ids)
+        elif isinstance(message, (Verdict, Ack)):  # P -> D messages travel over ZMQ (verdictchan.py)
+            self._lk_drop(REASON_BAD_PROTOCOL, agent, "a verdict or ack as a NIXL notification")
 
-    def _lk_hello(self, agent: str, metadata: bytes) -> None:
-        if agent in self._lk_protocol_agents:
-            return  # a repeat (one per P agent per D worker is sent; harmless)
+    def _lk_hello(self, agent: str, payload: bytes) -> None:
         try:
-            name = agent_name(self.nixl_wrapper.add_remote_agent(metadata))
+            endpoint = payload.decode("ascii")
+        except UnicodeDecodeError:
+            self._lk_drop("bad_hello", agent, "hello endpoint is not ASCII")
+            return
+        problem = check_endpoint(endpoint)
+        if problem is not None:
+            self._lk_drop("bad_hello", agent, problem)
+            return
+        if self._lk_outbox is None:
+            self._lk_outbox = VerdictOutbox(agent_name(self.nixl_wrapper.name))
+        try:
+            changed = self._lk_outbox.connect(agent, endpoint)
         except Exception as exc:
-            self._lk_drop("bad_hello", agent, f"NIXL refused the agent metadata: {type(exc).__name__}: {exc}")
+            self._lk_drop("bad_hello", agent, f"cannot connect to {endpoint}: {type(exc).__name__}: {exc}")
             return
-        if name != agent:
-            if name not in self._lk_protocol_agents:  # never unload an agent that said its own hello
-                self._lk_unload(name)
-            self._lk_drop("bad_hello", agent, f"hello names agent {name!r}, not its sender")
-            return
-        if len(self._lk_protocol_agents) >= MAX_PROTOCOL_AGENTS:  # least recently used: its D, if alive, times
-            # out one read and then says hello again (dgate.py)
+        if agent in self._lk_protocol_agents:
+            del self._lk_protocol_agents[agent]  # most recently used last
+        elif len(self._lk_protocol_agents) >= MAX_PROTOCOL_AGENTS:  # least recently used: its D, if alive,
+            # times out one read and then says hello again (dgate.py)
             self._lk_unload(next(iter(self._lk_protocol_agents)))
         self._lk_protocol_agents[agent] = None
-        lease_logger().info("LeaseKit: D agent %s speaks the fail-closed protocol; its reads get verdicts", agent)
+        if changed:
+            lease_logger().info("LeaseKit: D agent %s speaks the fail-closed protocol; its verdicts go to %s",
+                                agent, endpoint)
         for msg in self._lk_pending_verdicts.pop(agent, ()):
             self._lk_send_verdict_bytes(agent, msg)
 
     def _lk_unload(self, name: str) -> None:
         self._lk_protocol_agents.pop(name, None)
         self._lk_pending_verdicts.pop(name, None)
-        try:
-            self.nixl_wrapper.remove_remote_agent(name)
-        except Exception as exc:
-            self._lk_drop("bad_hello", name, f"could not unload agent: {type(exc).__name__}: {exc}")
+        if self._lk_outbox is not None:
+            self._lk_outbox.remove(name)
 
     def _lk_verdict(self, agent: str, req_id: str, ok: bool) -> None:
         """Answer one completion (see module docstring); keep it if the agent's hello is still due.
@@ -179,7 +188,7 @@ class PNotificationHandling:
         is counted and logged (rate-limited), a failed acknowledgement is not: it only costs D its fast
         path, and D's own heartbeat-failure accounting sees the broken link."""
         try:
-            self.nixl_wrapper.send_notif(agent, notif_msg=msg)
+            self._lk_outbox.send(agent, msg)  # only agents that said hello are sent to (an outbox exists)
         except Exception as exc:  # D then times out and discards the read: safe, and logged here
             if ack:
                 return
@@ -265,6 +274,6 @@ class PNotificationHandling:
     def _lk_drop(self, reason: str, agent: Any, detail: str) -> None:
         self._lk_stats.dropped(reason)
         self._lk_drop_warning.warn(
-            "LeaseKit: dropped a NIXL notification from agent %s (%s: %s)", agent, reason, detail[:200],
+            "LeaseKit: dropped a notification from agent %s (%s: %s)", agent, reason, detail[:200],
             event="notification_dropped", reason=reason, remote_agent=str(agent),
         )

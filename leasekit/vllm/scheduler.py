@@ -113,7 +113,8 @@ class LeaseKitPullScheduler(NixlPullConnectorScheduler):
         super().on_new_request(request)
         params = request.kv_transfer_params
         if params and params.get("do_remote_prefill") and params.get(PROTOCOL_PARAM) == PROTOCOL_VERSION:
-            self._leasekit_protected.append([request.request_id, params.get("remote_engine_id")])
+            self._leasekit_protected.append([request.request_id, params.get("remote_engine_id"),
+                                             params.get("remote_host")])
             self._lk_protected_ids.add(request.request_id)
         key = self._heartbeat_req_engine.get(request.request_id)
         if key is not None:
@@ -130,8 +131,8 @@ class LeaseKitPullScheduler(NixlPullConnectorScheduler):
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         """Stock metadata plus this step's ``leasekit_kv_blocks`` (req_id -> blocks),
         ``leasekit_trace_headers`` (req_id -> headers), ``leasekit_tracked`` and ``leasekit_untracked``
-        (D's heartbeat tracking), ``leasekit_protected`` (``[D request id, P engine id]`` P marked for the
-        fail-closed protocol), ``leasekit_finished`` (protected requests that finished on D) and
+        (D's heartbeat tracking), ``leasekit_protected`` (``[D request id, P engine id, P side-channel
+        host]`` P marked for the fail-closed protocol), ``leasekit_finished`` (protected requests that finished on D) and
         ``leasekit_kv_block_ids`` (req_id -> block ids, only with chaos fault points); each emptied after."""
         meta = super().build_connector_meta(scheduler_output)
         setattr(meta, METADATA_BLOCKS_ATTR, self._leasekit_blocks)

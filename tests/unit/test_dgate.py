@@ -2,15 +2,20 @@
 ``_pop_done_transfers``: what D reports to vLLM for each gate outcome, and when D says hello again.
 The wire and the real pair are covered by tests/integration/test_fail_closed.py."""
 
+import time
 from types import SimpleNamespace
+
+import pytest
 
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from leasekit.lease.codec import decode_notification, split_protocol_ids
 from leasekit.lease.readgate import OUTCOME_TIMEOUT, OUTCOME_VERIFIED, GateResult
 from leasekit.vllm.dgate import DReadGating
 from leasekit.vllm.stats import READS, LeaseKitKVConnectorStats, LeaseStatsObserver
+from tests.unit.test_p_notifications import Worker
 
 
 class StockPolling:
@@ -58,6 +63,10 @@ class D(DReadGating, StockPolling):
         provider = TracerProvider()
         provider.add_span_processor(SimpleSpanProcessor(self.exporter))
         self._lk_init_gate(6.0, 6.0, provider.get_tracer("t"))
+        self.drops: list[str] = []
+
+    def _lk_drop(self, reason, agent, detail):
+        self.drops.append(reason)
 
     def _send_pending_recv_notifs(self, request_id):
         self.notified.append(request_id)
@@ -114,19 +123,85 @@ def read(d: D, request_id="d1", remote="P1"):
 
 def test_a_protected_read_is_preceded_by_the_hello_and_a_heartbeat_probe_for_its_lease():
     d = D()
-    d._lk_hello_msg = b"HB:LK1~H~bWQ="  # what encode_hello gives; NIXL metadata is not needed here
-    d._lk_gate.protect("d1")
+    d._lk_protect([["d1", "P-engine", "127.0.0.1"]])
     assert read(d) and d.posted == ["d1"]
-    assert d.nixl_wrapper.sent == [("p0", b"HB:LK1~H~bWQ="), ("p0", b"HB:P1")]  # then the read
+    (agent, hello), probe = d.nixl_wrapper.sent
+    assert agent == "p0" and probe == ("p0", b"HB:P1")  # then the read
+    _seq, endpoint, _ = split_protocol_ids(decode_notification(hello).req_ids)
+    assert endpoint.decode() in d._lk_inbox.endpoints and endpoint.startswith(b"tcp://127.0.0.1:")
     assert d._lk_gate._owner == {("p0", "P1"): "d1"}  # P0's verdict (or the probe's ack) decides it
     read(d, request_id="d2", remote="P2")  # a stock P's request: no hello, no probe
     assert d.nixl_wrapper.sent[2:] == [] and d.posted == ["d1", "d2"]
+    d._lk_close_gate()
 
 
 def test_no_probe_while_a_chaos_heartbeat_fault_is_set():
     d = D()
-    d._lk_hello_msg = b"HB:LK1~H~bWQ="
     d._lk_faults = SimpleNamespace(enabled=True, heartbeats_disturbed=lambda: True)
-    d._lk_gate.protect("d1")
+    d._lk_protect([["d1", "P-engine", "127.0.0.1"]])
     read(d)
-    assert d.nixl_wrapper.sent == [("p0", b"HB:LK1~H~bWQ=")]
+    assert [msg[:9] for _agent, msg in d.nixl_wrapper.sent] == [b"HB:LK1~H~"]  # the hello only
+    d._lk_close_gate()
+
+
+def test_a_read_of_an_engine_whose_host_d_does_not_know_is_ungated():
+    """Fail closed: with no way to hear P, the read is discarded (vLLM recomputes), never served."""
+    d = D()
+    d._lk_errors = SimpleNamespace(report=lambda where, exc: None)
+    d._lk_protect([["d1", "P-engine"]])  # an older scheduler's metadata: no host
+    read(d)
+    d.finished = {"d1"}
+    assert d.poll() == (set(), {"d1"}) and d.outcomes() == ["ungated"]
+
+
+def wait_for_decision(d: D, timeout_s: float = 5.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        done, failed = d.poll()
+        if done or failed:
+            return done, failed
+        time.sleep(0.005)
+    return set(), set()
+
+
+@pytest.mark.parametrize("live", [True, False])
+def test_p_verdict_reaches_d_over_zmq_and_decides_the_held_read(live):
+    """Both mixins over a real loopback ZMQ channel: D's hello (a NIXL heartbeat id) tells P where to
+    answer; P's verdict on D's completion releases (live lease) or discards (reaped) the held read."""
+    d = D()
+    p = Worker()
+    p.nixl_wrapper.name = "p0"
+    try:
+        d._lk_protect([["d1", "P-engine", "127.0.0.1"]])
+        read(d)
+        hello = d.nixl_wrapper.sent[0][1]
+        if live:
+            p.grant("P1", time.perf_counter())
+        p.step({"d-agent": [hello, b"P1:1"]})
+        d.finished = {"d1"}
+        assert wait_for_decision(d) == (({"d1"}, set()) if live else (set(), {"d1"}))
+        assert d.outcomes() == ["verified" if live else "reaped"] and d.drops == []
+    finally:
+        p._lk_close_notifications()
+        d._lk_close_gate()
+
+
+def test_junk_in_the_verdict_inbox_is_dropped_and_counted():
+    import zmq
+
+    d = D()
+    endpoint = d._lk_inbox.endpoint_for("127.0.0.1")
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.connect(endpoint)
+    push.send(b"one frame")
+    push.send_multipart([b"p0", b"HB:P1"])  # a heartbeat is not a P -> D message
+    push.send_multipart([b"\xff", b"LK1:V:ok:P1"])
+    deadline = time.monotonic() + 5.0
+    while len(d.drops) < 3 and time.monotonic() < deadline:
+        d.poll()
+        time.sleep(0.005)
+    assert d.drops == ["bad_protocol"] * 3
+    push.close(linger=0)
+    ctx.term()
+    d._lk_close_gate()

@@ -36,6 +36,7 @@ from leasekit.lease.readgate import (
     ReadGate,
     agent_name,
 )
+from leasekit.vllm.verdictchan import VerdictInbox
 from tests.unit.test_checks import lease
 from tests.unit.test_p_notifications import TIMING, Worker
 
@@ -50,9 +51,9 @@ def test_verdict_round_trips_for_any_id(req_id, ok):
 
 
 @given(st.binary(min_size=1, max_size=600))
-def test_hello_is_a_heartbeat_id_that_round_trips_any_metadata(metadata):
-    heartbeat = decode_notification(encode_hello(metadata))
-    assert split_protocol_ids(heartbeat.req_ids) == (None, metadata, ())  # a stock P ignores the id
+def test_hello_is_a_heartbeat_id_that_round_trips_any_payload(payload):
+    heartbeat = decode_notification(encode_hello(payload))
+    assert split_protocol_ids(heartbeat.req_ids) == (None, payload, ())  # a stock P ignores the id
 
 
 @pytest.mark.parametrize("raw", [b"LK1:", b"LK1:V:maybe:r", b"LK1:V:ok", b"LK1:HELLO:!!!", b"LK1:HELLO:", b"LK1:X:1"])
@@ -170,90 +171,131 @@ def test_timeout_must_be_positive():
 
 
 class NixlStandIn:
-    def __init__(self, name="d0"):
-        self.batches, self.sent, self.name, self.loaded = [], [], name, []
+    """P's NIXL wrapper: notification batches in, P's own agent name; no sends (P answers over ZMQ)."""
+
+    def __init__(self, name="p0"):
+        self.batches, self.name = [], name
 
     def get_new_notifs(self):
         return self.batches.pop(0) if self.batches else {}
 
-    def add_remote_agent(self, metadata):
-        self.loaded.append(self.name)
-        return self.name.encode()  # NIXL returns bytes
 
-    def remove_remote_agent(self, name):
-        self.loaded.remove(name)
+class DWorkerInbox:
+    """A real D verdict inbox on loopback (leasekit/vllm/verdictchan.py): what P sends, as D gets it."""
 
-    def send_notif(self, agent, notif_msg):
-        self.sent.append((agent, notif_msg))
+    def __init__(self):
+        self.inbox = VerdictInbox()
+        self.endpoint = self.inbox.endpoint_for("127.0.0.1")
+
+    def hello(self) -> bytes:
+        return encode_hello(self.endpoint.encode())
+
+    def received(self, n: int = 0, timeout_s: float = 5.0) -> list[tuple[str, bytes]]:
+        """Every message that arrives until ``n`` came (then 50 ms more, to catch extras) or the timeout;
+        with ``n = 0``, what arrives within 200 ms (to show that nothing does)."""
+        got: list[tuple[str, bytes]] = []
+        deadline = time.monotonic() + (timeout_s if n else 0.2)
+        while time.monotonic() < deadline:
+            batch, malformed = self.inbox.drain()
+            assert malformed == 0
+            got += batch
+            if n and len(got) >= n:
+                deadline = min(deadline, time.monotonic() + 0.05)
+                n = 0
+            time.sleep(0.005)
+        return got
 
 
-def p_worker(name="d0", fail_closed=True):
+@pytest.fixture
+def d0():
+    inbox = DWorkerInbox()
+    yield inbox
+    inbox.inbox.close()
+
+
+def p_worker(fail_closed=True):
     w = Worker(fail_closed=fail_closed)
-    w.nixl_wrapper = NixlStandIn(name)
+    w.nixl_wrapper = NixlStandIn("p0")
     return w
 
 
-def test_p_answers_each_completion_after_hello_live_ok_late_reaped():
+def test_p_answers_each_completion_after_hello_live_ok_late_reaped(d0):
     w = p_worker()
     w.grant("live", 0.0)
-    w.step({"d0": [encode_hello(b"md"), b"live:1", b"gone:1"]})
-    assert w.nixl_wrapper.sent == [("d0", encode_verdict("live", True)), ("d0", encode_verdict("gone", False))]
+    w.step({"d0": [d0.hello(), b"live:1", b"gone:1"]})
+    assert d0.received(2) == [("p0", encode_verdict("live", True)), ("p0", encode_verdict("gone", False))]
+    w._lk_close_notifications()
 
 
-def test_p_without_fail_closed_ignores_hellos_and_never_notifies_d():
-    """leasekit_fail_closed off (the default): P never loads a D agent from a hello (a forged
-    leasekit_protocol marker cannot make it connect back) and sends no verdict and no ack."""
+def test_p_without_fail_closed_ignores_hellos_and_never_notifies_d(d0):
+    """leasekit_fail_closed false: P never connects to a D from a hello and sends no verdict and no ack."""
     w = p_worker(fail_closed=False)
     w.grant("live", 0.0)
-    w.step({"d0": [encode_hello(b"md"), b"HB:live,LK1~5", b"live:1", b"gone:1"]})
-    assert w.nixl_wrapper.sent == [] and w.nixl_wrapper.loaded == []
+    w.step({"d0": [d0.hello(), b"HB:live,LK1~5", b"live:1", b"gone:1"]})
+    assert d0.received() == [] and w._lk_outbox is None
     assert w._lk_protocol_agents == {} and w._lk_pending_verdicts == {}
     assert "live" not in w._reqs_to_send  # the completion still released the lease, as stock
     assert w.drops() == {"unknown_id": 1}, "only gone:1 (never held); the hello is ignored, as stock"
 
 
-def test_p_unloads_the_least_recently_answered_agent_at_the_cap(monkeypatch):
+def test_p_closes_the_least_recently_answered_agent_at_the_cap(monkeypatch, d0):
     import leasekit.vllm.notifs as notifs
 
-    class ByMetadata(NixlStandIn):
-        def add_remote_agent(self, metadata):  # the hello's metadata names its agent here
-            self.loaded.append(metadata.decode())
-            return metadata
-
     monkeypatch.setattr(notifs, "MAX_PROTOCOL_AGENTS", 2)
-    w = Worker()
-    w.nixl_wrapper = ByMetadata()
+    w = p_worker()
     w.grant("r", 0.0)
-    w.step({"a": [encode_hello(b"a")], "b": [encode_hello(b"b")]})
+    w.step({"a": [d0.hello()], "b": [d0.hello()]})
     w.step({"a": [b"gone:1"]})  # a answered most recently: b is now the least recently used
-    w.step({"c": [encode_hello(b"c")]})
-    assert list(w._lk_protocol_agents) == ["a", "c"] and w.nixl_wrapper.loaded == ["a", "c"]
+    w.step({"c": [d0.hello()]})
+    assert list(w._lk_protocol_agents) == ["a", "c"] and len(w._lk_outbox) == 2
+    assert w._lk_outbox.has("a") and not w._lk_outbox.has("b")
+    w._lk_close_notifications()
 
 
-def test_p_keeps_live_verdicts_until_the_hello_arrives():
+def test_p_keeps_live_verdicts_until_the_hello_arrives(d0):
     w = p_worker()
     w.grant("r", 0.0)
     w.step({"d0": [b"r:1", b"gone:1"]})  # only the live lease's verdict is kept
-    assert w.nixl_wrapper.sent == []
-    w.step({"d0": [encode_hello(b"md")]})
-    assert w.nixl_wrapper.sent == [("d0", encode_verdict("r", True))]
+    assert w._lk_outbox is None
+    w.step({"d0": [d0.hello()]})
+    assert d0.received(1) == [("p0", encode_verdict("r", True))]
+    w._lk_close_notifications()
 
 
-def test_p_refuses_a_hello_naming_another_agent():
-    w = p_worker(name="someone-else")
+@pytest.mark.parametrize("endpoint", [b"md", b"tcp://", b"tcp://host:0", b"tcp://host:99999", b"ipc:///tmp/x",
+                                      b"tcp://a b:1", b"\xff\xfe", b"tcp://" + b"h" * 300 + b":1"])
+def test_p_refuses_a_hello_that_names_no_tcp_endpoint(endpoint):
+    w = p_worker()
     w.grant("r", 0.0)
-    w.step({"d0": [encode_hello(b"md"), b"r:1"]})
-    assert w.nixl_wrapper.sent == []
+    w.step({"d0": [encode_hello(endpoint), b"r:1"]})
     assert w.drops() == {"bad_hello": 1}
-    assert w.nixl_wrapper.loaded == [], "the wrongly named agent is unloaded again"
+    assert w._lk_protocol_agents == {} and (w._lk_outbox is None or len(w._lk_outbox) == 0)
 
 
-def test_a_verdict_reaching_a_worker_goes_to_its_read_gate():
+def test_a_later_hello_moves_the_agent_to_its_new_endpoint(d0):
+    """D's worker re-hellos after a timeout, possibly from another address; the latest endpoint wins, so
+    a forged hello cannot keep a D's verdicts away for longer than one of its reads."""
+    other = DWorkerInbox()
+    try:
+        w = p_worker()
+        w.grant("r", 0.0)
+        w.grant("s", 0.0)
+        w.step({"d0": [other.hello(), b"r:1"]})
+        assert other.received(1) == [("p0", encode_verdict("r", True))]
+        w.step({"d0": [d0.hello(), b"s:1"]})
+        assert d0.received(1) == [("p0", encode_verdict("s", True))] and other.received() == []
+        w._lk_close_notifications()
+    finally:
+        other.inbox.close()
+
+
+def test_a_verdict_or_ack_as_a_nixl_notification_is_dropped():
+    """Version 2 sends them over ZMQ only: one arriving over NIXL is a peer's mistake or a forgery."""
     w = p_worker()
     w._lk_gate = gate()
     assert w._lk_gate.hold("d1", now=0.0) == HOLD
-    w.step({"p0": [encode_verdict("P1", False)]})
-    assert w._lk_gate.resolve(now=0.0)[0].outcome == OUTCOME_REAPED
+    w.step({"p0": [encode_verdict("P1", False), encode_ack(1, 1.0, ["P1"])]})
+    assert w._lk_gate.resolve(now=0.0) == [] and w.drops() == {"bad_protocol": 2}
 
 
 def test_fail_closed_accepts_a_discarded_read_only_with_matching_tokens():
@@ -324,22 +366,23 @@ def test_sequence_token_is_split_off_a_heartbeat():
     assert split_protocol_ids(["a", "LK1~x", "LK1~H~!!"]) == (None, None, ("a", "LK1~x", "LK1~H~!!"))
 
 
-def test_p_acknowledges_sequenced_heartbeats_of_protocol_agents_only():
+def test_p_acknowledges_sequenced_heartbeats_of_protocol_agents_only(d0):
     w = p_worker()
     w.grant("r", time.perf_counter())  # the stand-in's clock is perf_counter, as vLLM's
     w.step({"d0": [b"HB:r,unknown,LK1~5"]})
-    assert w.nixl_wrapper.sent == []  # no hello yet: nothing new on the wire
-    w.step({"d0": [encode_hello(b"md"), b"HB:r,unknown,LK1~6", b"HB:unknown,LK1~7", b"HB:r"]})
-    acks = [decode_notification(msg) for agent, msg in w.nixl_wrapper.sent]
+    assert w._lk_outbox is None  # no hello yet: nothing new on the wire
+    w.step({"d0": [d0.hello(), b"HB:r,unknown,LK1~6", b"HB:unknown,LK1~7", b"HB:r"]})
+    acks = [decode_notification(msg) for agent, msg in d0.received(2)]
     assert [(a.seq, a.req_ids) for a in acks] == [(6, ("r",)), (7, ())]
     assert E - 0.1 < acks[0].remaining_s <= TIMING.lease_duration_s
+    w._lk_close_notifications()
 
 
-def test_fail_closed_is_opt_in_and_a_bad_value_is_refused_with_the_fix():
+def test_fail_closed_is_on_by_default_and_a_bad_value_is_refused_with_the_fix():
     from leasekit.lease.settings import ReadGateConfigError, fail_closed_enabled, verdict_timeout
 
-    assert fail_closed_enabled({}) is False
-    assert fail_closed_enabled({"leasekit_fail_closed": True}) is True
+    assert fail_closed_enabled({}) is True
+    assert fail_closed_enabled({"leasekit_fail_closed": False}) is False
     with pytest.raises(ReadGateConfigError, match="leasekit_fail_closed.*true or false"):
         fail_closed_enabled({"leasekit_fail_closed": "yes"})
     assert verdict_timeout({}, 900.0) == 600.0  # a long lease still starts: default min(L, 600)

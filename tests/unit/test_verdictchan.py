@@ -1,0 +1,123 @@
+"""The fail-closed protocol's P -> D channel (leasekit/vllm/verdictchan.py) over real loopback ZMQ:
+endpoints, delivery, a D that is gone, junk and closing."""
+
+import socket
+import time
+
+import pytest
+import zmq
+from hypothesis import given
+from hypothesis import strategies as st
+
+import leasekit.vllm.verdictchan as vc
+from leasekit.vllm.verdictchan import VerdictInbox, VerdictOutbox, check_endpoint, local_address_towards
+
+
+def drain_until(inbox: VerdictInbox, n: int, timeout_s: float = 5.0) -> list[tuple[str, bytes]]:
+    got: list[tuple[str, bytes]] = []
+    deadline = time.monotonic() + timeout_s
+    while len(got) < n and time.monotonic() < deadline:
+        got += inbox.drain()[0]
+        time.sleep(0.005)
+    return got
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://127.0.0.1:5600", "tcp://d-7.example.net:1", "tcp://[::1]:65535",
+                                      "tcp://[2001:db8::7]:80"])
+def test_tcp_endpoints_are_accepted(endpoint):
+    assert check_endpoint(endpoint) is None
+
+
+@pytest.mark.parametrize("endpoint,why", [
+    ("tcp://127.0.0.1:0", "not in [1, 65535]"),
+    ("tcp://127.0.0.1:70000", "not in [1, 65535]"),
+    ("ipc:///tmp/x", "not tcp://"),
+    ("tcp://127.0.0.1", "not tcp://"),
+    ("tcp://a b:1", "not tcp://"),
+    ("tcp://-lead:1", "not tcp://"),
+    ("tcp://" + "h" * 300 + ":1", "characters >"),
+    (b"tcp://127.0.0.1:1", "not str"),
+])
+def test_anything_else_is_refused_with_the_reason(endpoint, why):
+    assert why in check_endpoint(endpoint)
+
+
+@given(st.text(max_size=80))
+def test_check_endpoint_never_raises(text):
+    assert check_endpoint(text) is None or isinstance(check_endpoint(text), str)
+
+
+def test_the_local_address_towards_loopback_is_loopback():
+    assert local_address_towards("127.0.0.1") == "127.0.0.1"
+    with pytest.raises(OSError):
+        local_address_towards("no-such-host.invalid")
+
+
+def test_verdicts_reach_the_inbox_in_order_named_by_the_sender():
+    inbox = VerdictInbox()
+    outbox = VerdictOutbox("p-agent")
+    try:
+        endpoint = inbox.endpoint_for("127.0.0.1")
+        assert endpoint.startswith("tcp://127.0.0.1:") and inbox.endpoint_for("localhost") == endpoint
+        assert outbox.connect("d-agent", endpoint) is True and outbox.connect("d-agent", endpoint) is False
+        for i in range(100):
+            outbox.send("d-agent", b"LK1:V:ok:r%d" % i)
+        got = drain_until(inbox, 100)
+        assert got == [("p-agent", b"LK1:V:ok:r%d" % i) for i in range(100)]
+        with pytest.raises(KeyError):
+            outbox.send("never-said-hello", b"x")
+    finally:
+        outbox.close()
+        inbox.close()
+
+
+def test_sending_to_a_d_that_is_gone_never_blocks_and_fails_once_the_queue_is_full(monkeypatch):
+    monkeypatch.setattr(vc, "SEND_HWM", 8)
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    outbox = VerdictOutbox("p-agent")
+    try:
+        outbox.connect("gone", f"tcp://127.0.0.1:{port}")
+        started = time.monotonic()
+        sent = 0
+        with pytest.raises(zmq.Again):
+            for _ in range(1000):
+                outbox.send("gone", b"LK1:V:ok:r")
+                sent += 1
+        assert sent <= 16 and time.monotonic() - started < 1.0
+        outbox.remove("gone")
+        assert len(outbox) == 0 and not outbox.has("gone")
+    finally:
+        outbox.close()
+
+
+def test_a_frame_above_the_limit_disconnects_its_sender_and_the_inbox_goes_on():
+    inbox = VerdictInbox()
+    try:
+        endpoint = inbox.endpoint_for("127.0.0.1")
+        ctx = zmq.Context()
+        big = ctx.socket(zmq.PUSH)
+        big.connect(endpoint)
+        big.send_multipart([b"p", b"x" * (vc.MAX_MESSAGE_BYTES + 1)])
+        good = VerdictOutbox("p-agent")
+        good.connect("d", endpoint)
+        good.send("d", b"LK1:V:reaped:r")
+        assert drain_until(inbox, 1) == [("p-agent", b"LK1:V:reaped:r")]
+        time.sleep(0.1)
+        assert inbox.drain() == ([], 0)
+        good.close()
+        big.close(linger=0)
+        ctx.term()
+    finally:
+        inbox.close()
+
+
+def test_close_is_idempotent_and_an_unbound_inbox_drains_nothing():
+    inbox = VerdictInbox()
+    assert inbox.drain() == ([], 0) and inbox.endpoints == ()
+    inbox.close()
+    inbox.close()
+    outbox = VerdictOutbox("p")
+    outbox.close()
+    outbox.close()
