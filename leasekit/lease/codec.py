@@ -17,7 +17,7 @@ everything else: it never raises.
 LeaseKit peers speak a small protocol on top (``LK1:``; docs/fail-closed.md), used only between peers
 that discovered each other: P marks the ``kv_transfer_params`` it returns with
 ``"leasekit_protocol": 2``; a LeaseKit D that sees the marker sends P the heartbeat ``HB:LK1~H~<base64
-endpoint>`` (the ZMQ endpoint of its verdict inbox, so that P can answer it without a NIXL connection back;
+endpoint and token>`` (the ZMQ endpoint of its verdict inbox, so that P can answer it without a NIXL connection back;
 a stock P ignores heartbeat ids it does not hold, so even a wrongly marked request cannot crash it) and
 then waits, per read, for P's ``LK1:V:ok:<id>`` or ``LK1:V:reaped:<id>`` on that inbox. A stock D never
 receives an ``LK1:`` message. Version 1 (verdicts as NIXL notifications) is not spoken: each side treats the
@@ -77,8 +77,9 @@ PROTOCOL_VERSION = 2
 """2: P -> D verdicts and acknowledgements over ZMQ (leasekit/vllm/verdictchan.py); 1 sent them as NIXL
 notifications over a UCX connection P opened back to D."""
 HELLO_TOKEN_PREFIX = "LK1~H~"
-"""A heartbeat id ``LK1~H~<base64 endpoint>`` is D's hello: the ZMQ endpoint ``tcp://<host>:<port>`` of that D
-worker's verdict inbox (leasekit/vllm/verdictchan.py; base64 holds no ``,``)."""
+"""A heartbeat id ``LK1~H~<base64 "<endpoint> <token>">`` is D's hello: the ZMQ endpoint ``tcp://<IP>:<port>`` of
+that D worker's verdict inbox and the token its messages must carry (leasekit/vllm/verdictchan.py; base64
+holds no ``,``)."""
 VERDICT_PREFIX = PROTOCOL_PREFIX + "V:"
 ACK_PREFIX = PROTOCOL_PREFIX + "A:"
 SEQUENCE_TOKEN_PREFIX = "LK1~"
@@ -153,16 +154,17 @@ class Ack:
 Notification = Heartbeat | Completion | Verdict | Ack | DecodeError
 
 
-def encode_hello(endpoint: bytes) -> bytes:
-    """The hello heartbeat ``HB:LK1~H~<base64 endpoint>``: ``endpoint`` is the ASCII ZMQ endpoint of the
-    sending D worker's verdict inbox (``tcp://10.0.0.7:41234``, about 25 bytes).
+def encode_hello(payload: bytes) -> bytes:
+    """The hello heartbeat ``HB:LK1~H~<base64 payload>``: ``payload`` is ``<endpoint> <token>`` (ASCII), the
+    ZMQ endpoint of the sending D worker's verdict inbox and its token
+    (:func:`leasekit.vllm.verdictchan.encode_hello_payload`; ``tcp://10.0.0.7:41234 0123456789abcdef``).
 
     Raises:
         ValueError: the encoded id would exceed :data:`MAX_HEARTBEAT_ID_CHARS`.
     """
-    token = HELLO_TOKEN_PREFIX + base64.b64encode(bytes(endpoint)).decode()
+    token = HELLO_TOKEN_PREFIX + base64.b64encode(bytes(payload)).decode()
     if len(token) > MAX_HEARTBEAT_ID_CHARS:
-        raise ValueError(f"a hello endpoint of {len(endpoint)} bytes is too large for a heartbeat id")
+        raise ValueError(f"a hello payload of {len(payload)} bytes is too large for a heartbeat id")
     return (HEARTBEAT_PREFIX + token).encode()
 
 

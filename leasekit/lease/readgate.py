@@ -15,7 +15,7 @@ compared across hosts: the only time D measures is its own wait.
 Outcomes (a closed set, fit for a metric label): ``verified`` (every P agent said ok), ``reaped``
 (P said the lease had ended: the read was discarded), ``timeout`` (no verdict in time: discarded),
 ``ungated`` (a protected read the gate could not check: its hook failed, or another read of the same
-P request by this worker is undecided or ended within ``timeout_s``: discarded), ``unprotected`` (P did
+P request by this worker is undecided or already ended: discarded), ``unprotected`` (P did
 not mark the request with ``leasekit_protocol``: a stock P; the read is used as stock vLLM does, and only
 counted), ``abandoned`` (the request finished on D, e.g. a client abort, before its read was decided: the
 read is reported done only so that vLLM frees the request's blocks; no tokens come of it).
@@ -138,16 +138,17 @@ class ReadGate:
 
     def expect(self, request_id: str, agent: str, remote_request_id: str, now: float | None = None) -> None:
         """D is about to post a read of ``remote_request_id`` from P agent ``agent``: that agent must
-        answer. A second undecided read of the same P request from the same agent, or one within
-        ``timeout_s`` after such a read ended (a stale verdict may still arrive), is ``ungated``."""
-        now = self._clock() if now is None else now
+        answer. A second read of the same P request from the same agent, undecided or ended (among the
+        last :data:`MAX_KEYS` ended ones), is ``ungated``: this worker's completion of the first read
+        counted towards freeing the lease, and a verdict queued for the first read may still arrive at
+        any time. ``now`` is accepted for symmetry with the other calls and not used."""
         read = self._reads.setdefault(request_id, _Read())
         read.remote_request_id = remote_request_id
         read.agents.add(agent)
         key = (agent, remote_request_id)
         owner = self._owner.get(key)
         ended = self._ended.get(key)
-        if (owner is not None and owner != request_id) or (ended is not None and now - ended < self.timeout_s):
+        if (owner is not None and owner != request_id) or ended is not None:
             read.ungated = True
             return
         self._owner[key] = request_id
@@ -260,7 +261,8 @@ class ReadGate:
 
     def forget(self, request_id: str, now: float | None = None) -> None:
         """Drop everything about ``request_id`` (decided, or finished on D: aborted, failed). Its
-        (agent, P request) keys are remembered as ended for ``timeout_s``."""
+        (agent, P request) keys are remembered as ended (the last :data:`MAX_KEYS` of them): a later
+        read of one is ``ungated`` (:meth:`expect`)."""
         now = self._clock() if now is None else now
         read = self._reads.pop(request_id, None)
         self._protected.discard(request_id)

@@ -114,7 +114,7 @@ RUN_DIR_EXTRA_KEY = "leasekit_run_dir"
 
 ROLE_OF_KEY = {
     MAX_HOLD_EXTRA_KEY: "kv_producer",
-    MAX_BYTES_EXTRA_KEY: None,  # both roles parse notifications (D: P's verdicts and acks)
+    MAX_BYTES_EXTRA_KEY: None,  # both roles parse the NIXL notifications they receive (P answers D over ZMQ)
     FAIL_CLOSED_EXTRA_KEY: "kv_producer",
     VERDICT_TIMEOUT_EXTRA_KEY: "kv_consumer",
     RUN_DIR_EXTRA_KEY: None,

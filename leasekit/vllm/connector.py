@@ -261,14 +261,12 @@ class LeaseKitPullWorker(DHeartbeats, DReadGating, PNotificationHandling, NixlPu
 
     def shutdown(self) -> None:
         """Abort open lease spans (outcome ``aborted``, reason ``worker shutdown``), flush, stock shutdown."""
-        try:
-            self._lk.abort_all("worker shutdown")
-            self._lk_hb.untrack_all("worker shutdown")
-            self._lk_close_gate()
-            self._lk_close_notifications()
-            self._lk_provider.shutdown()
-        except Exception as exc:
-            self._lk_errors.report("shutdown", exc)
+        for step in (lambda: self._lk.abort_all("worker shutdown"), lambda: self._lk_hb.untrack_all("worker shutdown"),
+                     self._lk_close_gate, self._lk_close_notifications, self._lk_provider.shutdown):
+            try:  # each step on its own: spans are flushed even if closing a socket failed
+                step()
+            except Exception as exc:
+                self._lk_errors.report("shutdown", exc)
         super().shutdown()
 
 

@@ -5,7 +5,7 @@ A read of P's KV blocks becomes tokens only after P confirmed that the lease cov
 
 - ``_read_blocks`` (``pull_worker.py``): before the first read from a P agent for a request P marked
   with ``leasekit_protocol``, say hello to that agent: a heartbeat whose only id is
-  ``LK1~H~<base64 ZMQ endpoint>`` (this worker's verdict inbox, :mod:`leasekit.vllm.verdictchan`; a
+  ``LK1~H~<base64 "<ZMQ endpoint> <token>">`` (this worker's verdict inbox, :mod:`leasekit.vllm.verdictchan`; a
   stock P ignores an id it does not hold) so that P can answer D; then a read probe (a heartbeat naming that lease, whose ack
   releases the read with no wait if it arrives before the read finishes); record which P agents must answer for the request;
 - ``_pop_done_transfers`` (``base_worker.py``) for ``_recving_transfers``: a protected read that finished
@@ -49,7 +49,7 @@ from leasekit.telemetry import semconv as sc
 from leasekit.telemetry.lease_log import RateLimitedWarning, lease_logger
 from leasekit.vllm.kvdigest import KV_DIGEST_ATTR, kv_digest
 from leasekit.vllm.taps import HEARTBEAT_PREFIX
-from leasekit.vllm.verdictchan import MAX_MESSAGE_BYTES, VerdictInbox
+from leasekit.vllm.verdictchan import MAX_MESSAGE_BYTES, VerdictInbox, encode_hello_payload
 
 MAX_ENGINE_HOSTS = 4096
 """P engines whose side-channel host D remembers (the oldest are forgotten first)."""
@@ -115,14 +115,14 @@ class DReadGating:
     def _lk_hello_engines(self, heartbeat_by_engine: Any) -> None:
         """Before heartbeating a P engine known to speak the protocol (handshake done), say hello to its
         agents, so that P acknowledges these heartbeats (the gate's fast path)."""
-        try:
-            for engine_id in heartbeat_by_engine or ():
+        for engine_id in heartbeat_by_engine or ():
+            try:
                 if (engine_id in self._lk_protocol_engines and engine_id in self._remote_agents
                         and engine_id in self._lk_engine_hosts):
                     for agent in self._remote_agents[engine_id].values():
                         self._lk_say_hello(agent, engine_id)
-        except Exception as exc:  # acks are an optimisation: without them D waits for verdicts
-            self._lk_errors.report("hello", exc)
+            except Exception as exc:  # acks are an optimisation: without them D waits for verdicts
+                self._lk_errors.report("hello", exc)
 
     def _lk_sequence_heartbeat(self, agent: Any, msg: bytes, started_s: float) -> bytes:
         """The heartbeat to send to ``agent`` (begun at ``started_s``, ``perf_counter`` seconds): with
@@ -186,7 +186,7 @@ class DReadGating:
             if len(self._lk_hello_msgs) >= MAX_ENGINE_HOSTS:
                 self._lk_hello_msgs.clear()
             endpoint = self._lk_inbox.endpoint_for(host)
-            hello = self._lk_hello_msgs[host] = (endpoint, encode_hello(endpoint.encode()))
+            hello = self._lk_hello_msgs[host] = (endpoint, encode_hello(encode_hello_payload(endpoint, self._lk_inbox.token)))
         raw = getattr(self.nixl_wrapper, "_wrapped", self.nixl_wrapper)  # not counted as a heartbeat
         raw.send_notif(agent, notif_msg=hello[1])
         self._lk_hello_sent.add(agent_name(agent))
@@ -244,10 +244,21 @@ class DReadGating:
         if groups is not None and len(groups) and len(groups[0]):
             self._lk_read_digests[request_id] = kv_digest(self, [int(b) for b in groups[0]]) or ""
 
+    def _lk_discard_reason(self, outcome: str) -> str:
+        if outcome == "reaped":
+            return "P had already ended the lease"
+        if outcome == OUTCOME_TIMEOUT:
+            return ("no verdict from P in time (P down, partitioned or idle, or P cannot open a TCP connection to "
+                    f"this worker's verdict inbox {', '.join(self._lk_inbox.endpoints) or '(none bound)'})")
+        return "the read could not be checked (a repeated read of that P request, or the gate's hook failed)"
+
     def _lk_record_read(self, result: GateResult, now: float) -> None:
         self._lk_stats.read(result.outcome, result.wait_s)
-        if result.outcome == OUTCOME_TIMEOUT:  # P may have unloaded this D's agent (or restarted): hello again
+        if result.outcome == OUTCOME_TIMEOUT:  # P may have closed this D's agent (cap, restart), or D's address
+            # changed: route again, and say hello again (P reconnects if the endpoint changed or it forgot us)
             self._lk_hello_sent.difference_update(agent_name(a) for a in result.agents)
+            self._lk_hello_msgs.clear()
+            self._lk_inbox.forget_routes()
         digest = self._lk_read_digests.pop(result.request_id, None)
         start_ns = time.time_ns() - int(result.wait_s * 1e9)
         parent = self._lk_hb.context_of(result.remote_request_id)  # the request's trace, if D tracks it
@@ -267,6 +278,6 @@ class DReadGating:
                 "LeaseKit: discarded the KV read of request %s (P request %s): %s after %.3f s; vLLM's "
                 "kv_load_failure_policy applies (recompute, or the request fails)",
                 result.request_id, result.remote_request_id,
-                "P had already ended the lease" if result.outcome == "reaped" else "no verdict from P in time",
+                self._lk_discard_reason(result.outcome),
                 result.wait_s, event="read_discarded", request_id=result.remote_request_id, outcome=result.outcome,
             )

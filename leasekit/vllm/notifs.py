@@ -18,15 +18,15 @@ request in ``_reqs_to_send``/``_reqs_to_process`` counts one consumer, and the b
   ``notifications_after_expiry`` counter);
 - max hold: no heartbeat extends a lease past ``grant + max_hold_s`` (default max(480 s, L),
   ``leasekit_max_hold_s``); such a lease expires with cause ``max_hold``;
-- the LeaseKit protocol (docs/fail-closed.md): a hello (the heartbeat id ``LK1~H~<base64 endpoint>``)
-  from a D agent names the ZMQ endpoint of that D worker's verdict inbox (:mod:`leasekit.vllm.verdictchan`;
+- the LeaseKit protocol (docs/fail-closed.md): a hello (the heartbeat id ``LK1~H~<base64 endpoint and
+  token>``) from a D agent names the ZMQ endpoint of that D worker's verdict inbox and its token (:mod:`leasekit.vllm.verdictchan`;
   a bad one is dropped as ``bad_hello``, a later one replaces it; at most 1024 D agents are kept, the least
   recently used closed first) so P can answer it without a NIXL (UCX) connection back to D; every completion from such an agent is answered
   with a verdict ``LK1:V:ok|reaped:<id>`` (``ok`` iff the lease was live when P handled it); ``ok``
   verdicts for an agent whose hello has not arrived yet are kept (bounded) and sent when it does. Every heartbeat
   from such an agent that carries D's sequence token ``LK1~<n>`` is acknowledged,
   ``LK1:A:<n>:<remaining ms>:<ids>`` (the ids it extended and the least time left over them, counted from
-  ``now``, read before the batch was handled). A verdict or acknowledgement arriving as a NIXL notification is
+  ``now``, read before the batch was handled; at most 60 KiB of ids). A verdict or acknowledgement arriving as a NIXL notification is
   ``bad_protocol`` (they travel over ZMQ; D's inbox hands them to its read gate, :mod:`leasekit.vllm.dgate`).
 
 Each drop is one ``leasekit_kv_lease_notifications_dropped_total{reason}`` increment and a WARNING at
@@ -57,7 +57,7 @@ from leasekit.lease.codec import (
 from leasekit.lease.readgate import agent_name
 from leasekit.telemetry import lease_events as ev
 from leasekit.telemetry.lease_log import RateLimitedWarning, lease_logger
-from leasekit.vllm.verdictchan import VerdictOutbox, check_endpoint
+from leasekit.vllm.verdictchan import MAX_ACK_BYTES, VerdictOutbox, decode_hello_payload
 
 MAX_PENDING_VERDICTS_PER_AGENT = 256
 """Verdicts kept for one D agent whose hello has not arrived (the oldest go first)."""
@@ -79,8 +79,8 @@ class PNotificationHandling:
     def _lk_init_notifications(self, max_hold_s: float, max_bytes: int, *, fail_closed: bool) -> None:
         """``max_hold_s``: seconds (see :func:`notification_settings`); ``max_bytes``: the largest
         notification handled; ``fail_closed``: this P speaks the fail-closed protocol
-        (``leasekit_fail_closed``); when False hellos are ignored, as a stock P does, and P never loads
-        a D agent nor notifies one (no verdicts, no acknowledgements)."""
+        (``leasekit_fail_closed``); when False hellos are ignored, as a stock P does, and P never
+        connects to a D nor answers one (no verdicts, no acknowledgements)."""
         self._lk_fail_closed = fail_closed
         self._lk_binding = LeaseBinding()
         self._lk_max_hold_s = max_hold_s
@@ -129,27 +129,26 @@ class PNotificationHandling:
             self._lk_drop(REASON_BAD_PROTOCOL, agent, "a verdict or ack as a NIXL notification")
 
     def _lk_hello(self, agent: str, payload: bytes) -> None:
-        try:
-            endpoint = payload.decode("ascii")
-        except UnicodeDecodeError:
-            self._lk_drop("bad_hello", agent, "hello endpoint is not ASCII")
+        """A D agent's hello: connect (again) to the inbox endpoint it names, with its token, and flush the
+        verdicts kept for it. A bad payload or a refused connect is ``bad_hello``."""
+        parsed = decode_hello_payload(payload)
+        if isinstance(parsed, str):
+            self._lk_drop("bad_hello", agent, parsed)
             return
-        problem = check_endpoint(endpoint)
-        if problem is not None:
-            self._lk_drop("bad_hello", agent, problem)
-            return
+        endpoint, token = parsed
         if self._lk_outbox is None:
             self._lk_outbox = VerdictOutbox(agent_name(self.nixl_wrapper.name))
-        try:
-            changed = self._lk_outbox.connect(agent, endpoint)
-        except Exception as exc:
-            self._lk_drop("bad_hello", agent, f"cannot connect to {endpoint}: {type(exc).__name__}: {exc}")
-            return
         if agent in self._lk_protocol_agents:
             del self._lk_protocol_agents[agent]  # most recently used last
         elif len(self._lk_protocol_agents) >= MAX_PROTOCOL_AGENTS:  # least recently used: its D, if alive,
             # times out one read and then says hello again (dgate.py)
             self._lk_unload(next(iter(self._lk_protocol_agents)))
+        try:
+            changed = self._lk_outbox.connect(agent, endpoint, token)
+        except Exception as exc:
+            self._lk_drop("bad_hello", agent, f"cannot connect to {endpoint}: {type(exc).__name__}: {exc}")
+            self._lk_pending_verdicts.pop(agent, None)
+            return
         self._lk_protocol_agents[agent] = None
         if changed:
             lease_logger().info("LeaseKit: D agent %s speaks the fail-closed protocol; its verdicts go to %s",
@@ -158,6 +157,7 @@ class PNotificationHandling:
             self._lk_send_verdict_bytes(agent, msg)
 
     def _lk_unload(self, name: str) -> None:
+        """Forget D agent ``name``: close its socket, drop the verdicts kept for it."""
         self._lk_protocol_agents.pop(name, None)
         self._lk_pending_verdicts.pop(name, None)
         if self._lk_outbox is not None:
@@ -169,7 +169,7 @@ class PNotificationHandling:
         if not self._lk_fail_closed:
             return
         if agent in self._lk_protocol_agents:
-            del self._lk_protocol_agents[agent]  # most recently used last: the cap unloads idle agents first
+            del self._lk_protocol_agents[agent]  # most recently used last: the cap closes idle agents first
             self._lk_protocol_agents[agent] = None
             self._lk_send_verdict_bytes(agent, encode_verdict(req_id, ok))
             return
@@ -219,7 +219,13 @@ class PNotificationHandling:
             acked.append(req_id)
             remaining = min(remaining, new - now)
         if seq is not None and agent in self._lk_protocol_agents:
-            self._lk_send_verdict_bytes(agent, encode_ack(seq, remaining if acked else 0.0, acked), ack=True)
+            size, named = 0, []
+            for req_id in acked:  # cut to MAX_ACK_BYTES: an ack naming fewer leases is still true
+                size += len(req_id.encode()) + 1
+                if size > MAX_ACK_BYTES:
+                    break
+                named.append(req_id)
+            self._lk_send_verdict_bytes(agent, encode_ack(seq, remaining if acked else 0.0, named), ack=True)
 
     def _lk_cap(self, req_id: str, deadline: float) -> float:
         grant = self._lk.grant_time(req_id)

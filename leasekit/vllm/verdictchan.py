@@ -8,12 +8,14 @@ P's UCX worker:
 
 - D's worker binds one ZMQ ``PULL`` socket (:class:`VerdictInbox`), on the local address its kernel
   routes to each P host from (:func:`local_address_towards`) and a port the kernel picks at ``bind``
-  (no window in which another binder could take it), and names that endpoint in its hello (a NIXL
-  heartbeat id D -> P, the direction stock vLLM already uses).
+  (no window in which another binder could take it), and names that endpoint and a random token in its
+  hello (a NIXL heartbeat id D -> P, the direction stock vLLM already uses): ``<endpoint> <token>``.
 - P's worker keeps one ``PUSH`` socket per D agent that said hello (:class:`VerdictOutbox`), connected
-  to the endpoint the hello named, and sends ``[P agent name, message]`` without ever blocking: a full
-  queue (:data:`SEND_HWM` messages for a D that is gone or slow) raises ``zmq.Again``, which P counts
-  as a failed send.
+  to the endpoint the hello named, and sends ``[P agent name, token, message]`` without ever blocking:
+  a full queue (:data:`SEND_HWM` messages for a D that is gone or slow) raises ``zmq.Again``, which P
+  counts as a failed send. ZMQ heartbeats on the connection find a silently dead peer.
+- D keeps only messages that carry its own token: a message queued for an earlier D worker that had the
+  same port, or sent by anyone who merely opened a TCP connection to the inbox, is dropped.
 
 Both sockets live in the engine thread of their worker (ZMQ sockets are not thread-safe; libzmq's I/O
 thread does the TCP work). No vLLM import here (unit-testable without an engine).
@@ -21,15 +23,42 @@ thread does the TCP work). No vLLM import here (unit-testable without an engine)
 
 from __future__ import annotations
 
+import hmac
+import ipaddress
 import re
+import secrets
 import socket
+import time
 from collections.abc import Callable
 
 import zmq
 
 MAX_MESSAGE_BYTES = 64 * 1024
 """``ZMQ_MAXMSGSIZE`` of D's inbox, in bytes: a peer sending a larger frame is disconnected by libzmq. A
-verdict or acknowledgement is under 1 KiB plus the request ids it names (at most 1024 characters each)."""
+verdict names one request id (at most 1024 characters); P cuts an acknowledgement's id list to
+:data:`MAX_ACK_BYTES`."""
+
+MAX_ACK_BYTES = 60 * 1024
+"""Largest acknowledgement P sends, in bytes: the ids beyond it are left out (an ack naming fewer leases
+is still true; those reads wait for their verdict)."""
+
+MAX_SOCKETS = 4096
+"""``ZMQ_MAX_SOCKETS`` of P's and D's channel contexts (libzmq's default, 1023, would refuse new D
+agents before P's cap of 1024 is reached)."""
+
+HEARTBEAT_IVL_MS = 5000
+HEARTBEAT_TIMEOUT_MS = 15000
+"""ZMQ heartbeats on P's connections (``ZMQ_HEARTBEAT_IVL``/``_TIMEOUT``, milliseconds): a connection
+whose peer stopped answering (a firewall dropped it, the host died) is closed and dialled again."""
+
+REPLACED_LINGER_MS = 1000
+"""Milliseconds a D agent's replaced socket may still flush what it queued (a hello naming a new endpoint)."""
+
+ROUTE_RETRY_S = 30.0
+"""Seconds D remembers that a P host had no route (or did not resolve) before asking the kernel again."""
+
+TOKEN_HEX_CHARS = 16
+"""Length of an inbox's token (64 random bits, lowercase hex)."""
 
 SEND_HWM = 1024
 """Messages P queues per D agent (``ZMQ_SNDHWM``) while the connection is down; beyond it sends fail."""
@@ -43,23 +72,52 @@ RECONNECT_IVL_MAX_MS = 5000
 MAX_ENDPOINT_CHARS = 300
 """Longest endpoint a hello may name."""
 
-_ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]{2,45}\]|[0-9A-Za-z][0-9A-Za-z.-]{0,252}):(\d{1,5})")
+_ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]{2,45}\]|[0-9.]{7,15}):(\d{1,5})")
+_TOKEN = re.compile(r"[0-9a-f]{%d}" % TOKEN_HEX_CHARS)
 
 
 def check_endpoint(text: str) -> str | None:
-    """Why ``text`` is not an endpoint P may connect to, or None when it is: ``tcp://<host>:<port>``
-    with an IPv4 address or host name, or ``tcp://[<IPv6>]:<port>``, port 1..65535, at most
-    :data:`MAX_ENDPOINT_CHARS` characters. Never raises."""
+    """Why ``text`` is not an endpoint P may connect to, or None when it is: ``tcp://<IPv4>:<port>``
+    or ``tcp://[<IPv6>]:<port>`` (IP literals only: libzmq would resolve a host name in its I/O thread,
+    stalling every other D's verdicts), port 1..65535, at most :data:`MAX_ENDPOINT_CHARS` characters.
+    Never raises."""
     if not isinstance(text, str):
         return f"endpoint is {type(text).__name__}, not str"
     if len(text) > MAX_ENDPOINT_CHARS:
         return f"endpoint of {len(text)} characters > {MAX_ENDPOINT_CHARS}"
     match = _ENDPOINT.fullmatch(text)
     if match is None:
-        return f"endpoint {text[:64]!r} is not tcp://<host>:<port>"
+        return f"endpoint {text[:64]!r} is not tcp://<IPv4>:<port> or tcp://[<IPv6>]:<port>"
+    bracketed, host = match.group(1).startswith("["), match.group(1).strip("[]")
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return f"endpoint host {host[:48]!r} is not an IP address"
+    if bracketed != (address.version == 6):
+        return f"endpoint host {host!r}: IPv6 goes in brackets, IPv4 does not"
+    if address.is_unspecified or address.is_multicast:
+        return f"endpoint host {host!r} is unspecified or multicast, not a D worker's address"
     if not 1 <= int(match.group(2)) <= 65535:
         return f"endpoint port {match.group(2)} not in [1, 65535]"
     return None
+
+
+def encode_hello_payload(endpoint: str, token: str) -> bytes:
+    """The hello's payload: ``<endpoint> <token>`` (ASCII)."""
+    return f"{endpoint} {token}".encode("ascii")
+
+
+def decode_hello_payload(payload: bytes) -> tuple[str, str] | str:
+    """``(endpoint, token)`` from a hello's payload, or the reason it is refused (a ``str``). Never raises."""
+    try:
+        text = bytes(payload).decode("ascii")
+    except (UnicodeDecodeError, TypeError):
+        return "hello payload is not ASCII"
+    endpoint, sep, token = text.partition(" ")
+    if not sep or not _TOKEN.fullmatch(token):
+        return f"hello payload {text[:64]!r} is not '<endpoint> <{TOKEN_HEX_CHARS} hex digits>'"
+    problem = check_endpoint(endpoint)
+    return problem if problem is not None else (endpoint, token)
 
 
 def local_address_towards(host: str) -> str:
@@ -79,45 +137,78 @@ def _tcp(host: str, port: str) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
+def _context() -> zmq.Context:
+    context = zmq.Context(io_threads=1)
+    context.set(zmq.MAX_SOCKETS, MAX_SOCKETS)
+    return context
+
+
 class VerdictInbox:
-    """D's receiving end: one ``PULL`` socket, bound on demand once per local address.
+    """D's receiving end: one ``PULL`` socket, bound on demand once per local address, and this inbox's
+    token (:attr:`token`, random), which every message must carry.
 
     Args:
         context: the ZMQ context to use (default: a new one, destroyed by :meth:`close`).
         route: maps a P host to the local address to bind (default :func:`local_address_towards`).
+        clock: seconds (``time.monotonic``), for :data:`ROUTE_RETRY_S`.
     """
 
     def __init__(self, context: zmq.Context | None = None,
-                 route: Callable[[str], str] = local_address_towards) -> None:
+                 route: Callable[[str], str] = local_address_towards,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.token = secrets.token_hex(TOKEN_HEX_CHARS // 2)
         self._own_context = context is None
         self._context = context
         self._route = route
+        self._clock = clock
         self._socket: zmq.Socket | None = None
         self._endpoints: dict[str, str] = {}  # local address -> bound endpoint
+        self._routes: dict[str, str] = {}  # P host -> local address
+        self._no_route: dict[str, tuple[float, OSError]] = {}  # P host -> (when, why), retried after ROUTE_RETRY_S
 
     def endpoint_for(self, peer_host: str) -> str:
         """The endpoint (``tcp://<local address>:<port>``) a P on ``peer_host`` should send to,
-        binding a new one the first time a local address is needed.
+        binding a new one the first time a local address is needed. The route is asked once per host
+        (until :meth:`forget_routes`); a failure is remembered for :data:`ROUTE_RETRY_S` seconds.
 
         Raises:
-            OSError: no route to ``peer_host``.
+            OSError: no route to ``peer_host`` (or it does not resolve).
             zmq.ZMQError: the bind failed.
         """
-        local = self._route(str(peer_host))
+        peer_host = str(peer_host)
+        local = self._routes.get(peer_host)
+        if local is None:
+            failed = self._no_route.get(peer_host)
+            if failed is not None and self._clock() - failed[0] < ROUTE_RETRY_S:
+                raise OSError(*failed[1].args)  # a fresh one: re-raising the stored one grows its traceback
+            try:
+                local = self._route(peer_host)
+            except OSError as exc:
+                self._no_route[peer_host] = (self._clock(), exc)
+                if len(self._no_route) > 4096:
+                    self._no_route.clear()
+                raise
+            self._no_route.pop(peer_host, None)
+            self._routes[peer_host] = local
         endpoint = self._endpoints.get(local)
         if endpoint is None:
             sock = self._open()
-            if ":" in local:
-                sock.setsockopt(zmq.IPV6, 1)
+            sock.setsockopt(zmq.IPV6, 1 if ":" in local else 0)
             sock.bind(_tcp(local, "*"))
             endpoint = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
             self._endpoints[local] = endpoint
         return endpoint
 
+    def forget_routes(self) -> None:
+        """Ask the kernel for each P host's route again at the next :meth:`endpoint_for` (D's address
+        may have changed); endpoints already bound stay bound."""
+        self._routes.clear()
+        self._no_route.clear()
+
     def _open(self) -> zmq.Socket:
         if self._socket is None:
             if self._context is None:
-                self._context = zmq.Context(io_threads=1)
+                self._context = _context()
             sock = self._context.socket(zmq.PULL)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
@@ -127,22 +218,23 @@ class VerdictInbox:
 
     def drain(self, limit: int = RECEIVE_HWM) -> tuple[list[tuple[str, bytes]], int]:
         """Every message waiting now, at most ``limit``, without blocking: ``([(P agent name, message
-        bytes)], malformed count)``. A message that is not two frames, or whose first frame is not
-        UTF-8, is malformed (counted, dropped). Nothing before the first bind."""
+        bytes)], malformed count)``. A message that is not three frames, whose first frame is not UTF-8,
+        or whose token is not this inbox's, is malformed (counted, dropped). Nothing before the first bind."""
         received: list[tuple[str, bytes]] = []
         malformed = 0
         if self._socket is None or not self._endpoints:
             return received, malformed
+        token = self.token.encode()
         for _ in range(limit):
             try:
                 frames = self._socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            if len(frames) != 2:
+            if len(frames) != 3 or not hmac.compare_digest(frames[1], token):
                 malformed += 1
                 continue
             try:
-                received.append((frames[0].decode("utf-8"), frames[1]))
+                received.append((frames[0].decode("utf-8"), frames[2]))
             except UnicodeDecodeError:
                 malformed += 1
         return received, malformed
@@ -161,10 +253,13 @@ class VerdictInbox:
             self._context.term()
             self._context = None
         self._endpoints.clear()
+        self._routes.clear()
 
 
 class VerdictOutbox:
-    """P's sending end: one ``PUSH`` socket per D agent, connected to the endpoint of its hello.
+    """P's sending end: one ``PUSH`` socket per D agent, connected to the endpoint of its hello. The
+    caller caps the number of agents (P: 1024, below :data:`MAX_SOCKETS`) and removes one before adding
+    one at the cap.
 
     Args:
         sender: P's own NIXL agent name, the first frame of every message (D's read gate keys verdicts
@@ -176,38 +271,46 @@ class VerdictOutbox:
         self._sender = str(sender).encode()
         self._own_context = context is None
         self._context = context
-        self._sockets: dict[str, tuple[str, zmq.Socket]] = {}
+        self._sockets: dict[str, tuple[str, str, zmq.Socket]] = {}  # agent -> (endpoint, token, socket)
 
-    def connect(self, agent: str, endpoint: str) -> bool:
-        """Send ``agent``'s messages to ``endpoint`` from now on (a new endpoint replaces the old one).
-        Returns True when the endpoint changed. ``connect`` is asynchronous: messages queue (up to
+    def connect(self, agent: str, endpoint: str, token: str) -> bool:
+        """Send ``agent``'s messages to ``endpoint``, with ``token``, from now on. Returns True when the
+        endpoint or token changed: then a new socket replaces the old one, which gets
+        :data:`REPLACED_LINGER_MS` to flush what it queued; an unchanged hello keeps the socket (ZMQ
+        heartbeats already replace a dead connection). ``connect`` is asynchronous: messages queue (up to
         :data:`SEND_HWM`) until the TCP connection is up.
 
         Raises:
-            ValueError: ``endpoint`` fails :func:`check_endpoint` (the text names why).
+            ValueError: ``endpoint`` fails :func:`check_endpoint`, or ``token`` is not
+                :data:`TOKEN_HEX_CHARS` hex digits (the text names why).
             zmq.ZMQError: ZMQ refused the socket or the address.
         """
         problem = check_endpoint(endpoint)
+        if problem is None and not _TOKEN.fullmatch(str(token)):
+            problem = f"token {str(token)[:40]!r} is not {TOKEN_HEX_CHARS} lowercase hex digits"
         if problem is not None:
             raise ValueError(problem)
         current = self._sockets.get(agent)
-        if current is not None and current[0] == endpoint:
+        if current is not None and current[0] == endpoint and current[1] == token:
             return False
         if self._context is None:
-            self._context = zmq.Context(io_threads=1)
+            self._context = _context()
         sock = self._context.socket(zmq.PUSH)
         try:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, SEND_HWM)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
+            sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
             if endpoint.startswith("tcp://["):
                 sock.setsockopt(zmq.IPV6, 1)
             sock.connect(endpoint)
         except Exception:
             sock.close(linger=0)
             raise
-        self.remove(agent)
-        self._sockets[agent] = (endpoint, sock)
+        if current is not None:
+            self._sockets.pop(agent)[2].close(linger=REPLACED_LINGER_MS)
+        self._sockets[agent] = (endpoint, token, sock)
         return True
 
     def has(self, agent: str) -> bool:
@@ -221,13 +324,14 @@ class VerdictOutbox:
             KeyError: ``agent`` has no endpoint.
             zmq.Again: its queue is full (the D is gone, partitioned or not reading).
         """
-        self._sockets[agent][1].send_multipart((self._sender, bytes(message)), zmq.NOBLOCK)
+        _endpoint, token, sock = self._sockets[agent]
+        sock.send_multipart((self._sender, token.encode(), bytes(message)), zmq.NOBLOCK)
 
     def remove(self, agent: str) -> None:
         """Close ``agent``'s socket (dropping what it still queues); nothing if it has none."""
         entry = self._sockets.pop(agent, None)
         if entry is not None:
-            entry[1].close(linger=0)
+            entry[2].close(linger=0)
 
     def __len__(self) -> int:
         return len(self._sockets)

@@ -15,6 +15,7 @@ from leasekit.lease.codec import decode_notification, split_protocol_ids
 from leasekit.lease.readgate import OUTCOME_TIMEOUT, OUTCOME_VERIFIED, GateResult
 from leasekit.vllm.dgate import DReadGating
 from leasekit.vllm.stats import READS, LeaseKitKVConnectorStats, LeaseStatsObserver
+from leasekit.vllm.verdictchan import decode_hello_payload
 from tests.unit.test_p_notifications import Worker
 
 
@@ -127,8 +128,9 @@ def test_a_protected_read_is_preceded_by_the_hello_and_a_heartbeat_probe_for_its
     assert read(d) and d.posted == ["d1"]
     (agent, hello), probe = d.nixl_wrapper.sent
     assert agent == "p0" and probe == ("p0", b"HB:P1")  # then the read
-    _seq, endpoint, _ = split_protocol_ids(decode_notification(hello).req_ids)
-    assert endpoint.decode() in d._lk_inbox.endpoints and endpoint.startswith(b"tcp://127.0.0.1:")
+    _seq, payload, _ = split_protocol_ids(decode_notification(hello).req_ids)
+    endpoint, token = decode_hello_payload(payload)
+    assert endpoint in d._lk_inbox.endpoints and endpoint.startswith("tcp://127.0.0.1:") and token == d._lk_inbox.token
     assert d._lk_gate._owner == {("p0", "P1"): "d1"}  # P0's verdict (or the probe's ack) decides it
     read(d, request_id="d2", remote="P2")  # a stock P's request: no hello, no probe
     assert d.nixl_wrapper.sent[2:] == [] and d.posted == ["d1", "d2"]
@@ -194,14 +196,16 @@ def test_junk_in_the_verdict_inbox_is_dropped_and_counted():
     ctx = zmq.Context()
     push = ctx.socket(zmq.PUSH)
     push.connect(endpoint)
+    token = d._lk_inbox.token.encode()
     push.send(b"one frame")
-    push.send_multipart([b"p0", b"HB:P1"])  # a heartbeat is not a P -> D message
-    push.send_multipart([b"\xff", b"LK1:V:ok:P1"])
+    push.send_multipart([b"p0", token, b"HB:P1"])  # a heartbeat is not a P -> D message
+    push.send_multipart([b"\xff", token, b"LK1:V:ok:P1"])
+    push.send_multipart([b"p0", b"0" * 16, b"LK1:V:ok:P1"])  # not this inbox's token
     deadline = time.monotonic() + 5.0
-    while len(d.drops) < 3 and time.monotonic() < deadline:
+    while len(d.drops) < 4 and time.monotonic() < deadline:
         d.poll()
         time.sleep(0.005)
-    assert d.drops == ["bad_protocol"] * 3
+    assert d.drops == ["bad_protocol"] * 4
     push.close(linger=0)
     ctx.term()
     d._lk_close_gate()
