@@ -147,7 +147,7 @@ class PNotificationHandling:
             changed = self._lk_outbox.connect(agent, endpoint, token)
         except Exception as exc:
             self._lk_drop("bad_hello", agent, f"cannot connect to {endpoint}: {type(exc).__name__}: {exc}")
-            self._lk_pending_verdicts.pop(agent, None)
+            self._lk_unload(agent)  # its old socket too: the agent is no longer answered
             return
         self._lk_protocol_agents[agent] = None
         if changed:
