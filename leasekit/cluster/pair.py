@@ -68,7 +68,8 @@ class PairSpec:
     (``recompute`` by default here: a read LeaseKit D discards is recomputed; ``fail`` ends the request
     with an error; vLLM's own default is ``fail``), and P's KV cache in bytes (None: the server default,
     64 MiB; a small one makes freed blocks reused soon), and whether LeaseKit P turns on the fail-closed
-    protocol (``leasekit_fail_closed``, the connector's default; False sets it false, docs/fail-closed.md)."""
+    protocol (``leasekit_fail_closed``, the connector's default; False sets it false, docs/fail-closed.md),
+    and LeaseKit P's grant pledge in seconds (``leasekit_pledge_s``; None keeps the connector's default)."""
 
     prefill_connector: str = "leasekit"
     decode_connector: str = "leasekit"
@@ -91,6 +92,7 @@ class PairSpec:
     decode_kv_load_failure_policy: str | None = "recompute"
     prefill_kv_cache_bytes: int | None = None
     fail_closed: bool = True
+    prefill_pledge_s: float | None = None
 
     def launch_key(self) -> tuple:
         """Everything that needs a fresh pair when it changes."""
@@ -205,6 +207,8 @@ class PDPair:
             extra["leasekit_max_hold_s"] = self.spec.prefill_max_hold_s
         if role == "prefill" and not self.spec.fail_closed and self.spec.prefill_connector == "leasekit":
             extra["leasekit_fail_closed"] = False
+        if role == "prefill" and self.spec.prefill_pledge_s is not None:
+            extra["leasekit_pledge_s"] = self.spec.prefill_pledge_s
         return extra
 
     # -- lifecycle -------------------------------------------------------------------------

@@ -90,6 +90,12 @@ def _lifecycle() -> list[Builder]:
         timeseries("Read verdict wait p50 / p99 (D)", m.READ_VERDICT_WAIT.help,
                    [Query(quantile(q, _bucket(m.READ_VERDICT_WAIT), I, W, F), f"{{{{instance}}}} p{p}")
                     for q, p in ((0.5, 50), (0.99, 99))], "s", width=12),
+        timeseries("Verified reads by proof (D)", m.READ_PROOFS_METRIC.help,
+                   [Query(sum_rate(_c(m.READ_PROOFS_METRIC), I + ", proof", W, F), "{{instance}} {{proof}}")],
+                   "ops", width=12, stacked=True),
+        timeseries("Pledge hold p50 / p99 (P)", m.PLEDGE_HOLD.help,
+                   [Query(quantile(q, _bucket(m.PLEDGE_HOLD), I, W, F), f"{{{{instance}}}} p{p}")
+                    for q, p in ((0.5, 50), (0.99, 99))], "s", width=12),
     ]
 
 

@@ -28,9 +28,12 @@ from __future__ import annotations
 
 import base64
 import binascii
+import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+from leasekit.lease.pledge import CLOCK_ID_PATTERN
 
 HEARTBEAT_PREFIX = "HB:"
 """A notification starting with this is a heartbeat (vLLM tests ``startswith`` before anything)."""
@@ -73,9 +76,14 @@ protocol message and dropped as ``bad_protocol``."""
 PROTOCOL_PARAM = "leasekit_protocol"
 """Key LeaseKit P adds to the ``kv_transfer_params`` it returns (value :data:`PROTOCOL_VERSION`); stock D
 ignores unknown keys (vllm 0.32.0 ``nixl/pull_scheduler.py`` reads with ``params.get``)."""
-PROTOCOL_VERSION = 2
-"""2: P -> D verdicts and acknowledgements over ZMQ (leasekit/vllm/verdictchan.py); 1 sent them as NIXL
+PROTOCOL_VERSION = 3
+"""3: acknowledgements carry P's clock reading and clock id, and grants a pledge (leasekit/lease/pledge.py);
+2: P -> D verdicts and acknowledgements over ZMQ (leasekit/vllm/verdictchan.py); 1 sent them as NIXL
 notifications over a UCX connection P opened back to D."""
+D_ACCEPTED_VERSIONS = (2, 3)
+"""Markers LeaseKit D protects: a version-2 P (a rolling upgrade) sends the same verdicts and hellos, and acks
+without a clock (decoded as such): its reads wait for verdicts or acks, no pledge. Any other marker is
+treated as a stock P's (unprotected, counted)."""
 HELLO_TOKEN_PREFIX = "LK1~H~"
 """A heartbeat id ``LK1~H~<base64 "<endpoint> <token>">`` is D's hello: the ZMQ endpoint ``tcp://<IP>:<port>`` of
 that D worker's verdict inbox and the token its messages must carry (leasekit/vllm/verdictchan.py; base64
@@ -89,7 +97,8 @@ VERDICT_OK = "ok"
 VERDICT_REAPED = "reaped"
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")  # Unicode category Cc (C0, DEL, C1)
-_DIGITS = re.compile(r"[0-9]{1,16}")  # ASCII only: int() would also take " 3", "+3", "3_0", "٣"
+_DIGITS = re.compile(r"[0-9]{1,16}")
+_CLOCK_ID = re.compile(r"-|" + CLOCK_ID_PATTERN)  # ASCII only: int() would also take " 3", "+3", "3_0", "٣"
 
 
 @dataclass(frozen=True)
@@ -139,16 +148,22 @@ class Verdict:
 
 @dataclass(frozen=True)
 class Ack:
-    """``LK1:A:<seq>:<remaining_ms>:<id>,<id>...``: P handled D's heartbeat number ``seq`` (the
-    ``LK1~<seq>`` token D added to it) and every listed lease (P's request ids; possibly none) was live
-    with at least ``remaining_s`` seconds to its deadline, counted from P's clock read after the
-    heartbeat had arrived (after ``get_new_notifs`` returned), before handling it.
+    """``LK1:A:<seq>:<remaining_ms>:<p_now_us>:<clock_id>:<id>,<id>...``: P handled D's heartbeat number
+    ``seq`` (the ``LK1~<seq>`` token D added to it) and every listed lease (P's request ids; possibly none)
+    was live with at least ``remaining_s`` seconds to its deadline, counted from P's clock read after the
+    heartbeat had arrived (after ``get_new_notifs`` returned), before handling it. ``remote_now_s`` is that
+    reading (P's ``perf_counter``, seconds, rounded up to the microsecond on the wire, plus one microsecond
+    when decoded) and ``clock_id`` names P's clock
+    (None when P could not name it: ``-`` on the wire).
     D, which began sending that heartbeat at ``s`` on its own clock, then knows each lease is held until
-    at least ``s + remaining_s`` (no cross-host clock comparison)."""
+    at least ``s + remaining_s`` (no cross-host clock comparison), and has one sample of P's clock for the
+    grant pledge (leasekit/lease/pledge.py)."""
 
     seq: int
     remaining_s: float
     req_ids: tuple[str, ...]
+    remote_now_s: float = 0.0
+    clock_id: str | None = None
 
 
 Notification = Heartbeat | Completion | Verdict | Ack | DecodeError
@@ -173,9 +188,12 @@ def encode_verdict(req_id: str, ok: bool) -> bytes:
     return f"{VERDICT_PREFIX}{VERDICT_OK if ok else VERDICT_REAPED}:{req_id}".encode()
 
 
-def encode_ack(seq: int, remaining_s: float, req_ids: Iterable[str]) -> bytes:
-    """``LK1:A:<seq>:<remaining ms, rounded down>:<ids comma-joined>``."""
-    return f"{ACK_PREFIX}{int(seq)}:{max(0, int(remaining_s * 1000))}:{','.join(req_ids)}".encode()
+def encode_ack(seq: int, remaining_s: float, req_ids: Iterable[str], remote_now_s: float = 0.0,
+               clock_id: str | None = None) -> bytes:
+    """``LK1:A:<seq>:<remaining ms, rounded down>:<P now in us, rounded up>:<clock id or ->:<ids comma-joined>``.
+    ``remote_now_s``: P's ``perf_counter`` seconds (>= 0); ``clock_id``: :func:`leasekit.vllm.clockid.local_clock_id`."""
+    now_us = max(0, math.ceil(remote_now_s * 1e6))
+    return f"{ACK_PREFIX}{int(seq)}:{max(0, int(remaining_s * 1000))}:{now_us}:{clock_id or '-'}:{','.join(req_ids)}".encode()
 
 
 def sequence_token(seq: int) -> str:
@@ -212,15 +230,21 @@ def _decode_protocol(text: str) -> Notification:
             return DecodeError(problem.reason, f"verdict: {problem.detail}")
         return Verdict(req_id, verdict == VERDICT_OK)
     if text.startswith(ACK_PREFIX):
-        parts = text[len(ACK_PREFIX):].split(":", 2)
-        if len(parts) != 3 or not _DIGITS.fullmatch(parts[0]) or not _DIGITS.fullmatch(parts[1]):
-            return DecodeError(REASON_BAD_PROTOCOL, f"ack is not <seq>:<ms>:<ids>: {_short(text)}")
-        ids = tuple(parts[2].split(",")) if parts[2] else ()
+        parts = text[len(ACK_PREFIX):].split(":", 4)
+        if (len(parts) != 5 or not _DIGITS.fullmatch(parts[0]) or not _DIGITS.fullmatch(parts[1])
+                or not _DIGITS.fullmatch(parts[2]) or not _CLOCK_ID.fullmatch(parts[3])):
+            old = text[len(ACK_PREFIX):].split(":", 2)  # version 2 (no clock): a P not upgraded yet
+            if len(old) != 3 or not _DIGITS.fullmatch(old[0]) or not _DIGITS.fullmatch(old[1]):
+                return DecodeError(REASON_BAD_PROTOCOL, f"ack is not <seq>:<ms>:<us>:<clock>:<ids>: {_short(text)}")
+            parts = [old[0], old[1], "", "-", old[2]]
+        ids = tuple(parts[4].split(",")) if parts[4] else ()
         for req_id in ids:
             problem = _id_problem(req_id, max_chars=MAX_HEARTBEAT_ID_CHARS)
             if problem is not None:
                 return DecodeError(problem.reason, f"ack: {problem.detail}")
-        return Ack(int(parts[0]), int(parts[1]) / 1000.0, ids)
+        clock = None if parts[3] == "-" else parts[3]
+        now_s = (int(parts[2]) + 1) / 1e6 if clock is not None else 0.0  # +1 us: never rounded down
+        return Ack(int(parts[0]), int(parts[1]) / 1000.0, ids, now_s, clock)
     return DecodeError(REASON_BAD_PROTOCOL, f"unknown LeaseKit protocol message: {_short(text)}")
 
 

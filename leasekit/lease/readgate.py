@@ -9,8 +9,9 @@ every P agent it read from answered ``ok`` (or, fast path, while P's heartbeat a
 prove every lease it read live past the moment D saw the read finish: no wait); ``reaped`` from any, or
 no answer within ``timeout_s``
 (P dead, partitioned, or its loop stalled longer than a lease), fails the read so that vLLM applies its
-``kv_load_failure_policy`` (vllm 0.32.0 ``base_worker.py`` ``_invalid_block_ids``). No clocks are
-compared across hosts: the only time D measures is its own wait.
+``kv_load_failure_policy`` (vllm 0.32.0 ``base_worker.py`` ``_invalid_block_ids``). Fast paths, no wait:
+the ack horizon (above) and the grant's pledge (leasekit/lease/pledge.py: P frees none of the grant's
+blocks before a time on its clock, which D bounds from acks' clock samples with a 10 % rate error).
 
 Outcomes (a closed set, fit for a metric label): ``verified`` (every P agent said ok), ``reaped``
 (P said the lease had ended: the read was discarded), ``timeout`` (no verdict in time: discarded),
@@ -34,6 +35,8 @@ from dataclasses import dataclass, field
 from collections.abc import Iterable
 from typing import Callable
 
+from leasekit.lease.pledge import RATE_FACTOR, Pledge, RemoteClockBound
+
 OUTCOME_VERIFIED = "verified"
 OUTCOME_REAPED = "reaped"
 OUTCOME_TIMEOUT = "timeout"
@@ -50,6 +53,11 @@ RELEASED_OUTCOMES = (OUTCOME_VERIFIED, OUTCOME_ABANDONED, OUTCOME_UNPROTECTED)
 already finished on D (``abandoned``), only so that vLLM frees its blocks: vllm 0.32.0
 ``Scheduler.finish_requests`` delays freeing a ``WAITING_FOR_REMOTE_KVS`` request's blocks until the
 worker reports its receive finished."""
+
+PROOF_PLEDGE, PROOF_ACK, PROOF_VERDICT = "pledge", "ack", "verdict"
+READ_PROOFS = (PROOF_PLEDGE, PROOF_ACK, PROOF_VERDICT)
+"""What proved a ``verified`` read (``leasekit_kv_lease_read_proofs_total{proof}``): the grant's pledge
+(leasekit/lease/pledge.py), a heartbeat acknowledgement's horizon, or P's verdict on the completion."""
 
 HOLD, USE, FAIL = "hold", "use", "fail"
 """What :meth:`ReadGate.hold` tells D to do with a finished read."""
@@ -71,13 +79,15 @@ def agent_name(agent: str | bytes) -> str:
 class GateResult:
     """One read the gate decided. ``request_id``: D's request id; ``remote_request_id``: P's;
     ``outcome``: one of :data:`READ_OUTCOMES`; ``wait_s``: seconds D held the read back (0 for
-    ``unprotected``); ``agents``: the P agents it read from."""
+    ``unprotected``); ``agents``: the P agents it read from; ``proof``: for ``verified``, one of
+    :data:`READ_PROOFS`, else None."""
 
     request_id: str
     remote_request_id: str
     outcome: str
     wait_s: float
     agents: tuple[str, ...] = ()
+    proof: str | None = None
 
 
 @dataclass
@@ -126,11 +136,16 @@ class ReadGate:
         self._sent: dict[str, dict[int, float]] = {}  # P agent -> {heartbeat seq: send instant}, unacked
         self._seq = secrets.randbits(48)  # not guessable by a peer that forges acks
         self._horizon: dict[tuple[str, str], float] = {}  # (agent, P request id) -> held at least until
+        self._clocks = RemoteClockBound()  # P clocks, sampled by acks (the pledge's fast path)
+        self._pledges: dict[str, Pledge] = {}  # D request id -> its grant's pledge, while protected
 
-    def protect(self, request_id: str) -> None:
-        """P marked ``request_id`` (D's id) with ``leasekit_protocol``: its read will wait for verdicts.
+    def protect(self, request_id: str, pledge: Pledge | None = None) -> None:
+        """P marked ``request_id`` (D's id) with ``leasekit_protocol``: its read will wait for verdicts,
+        unless ``pledge`` (the grant's, leasekit/lease/pledge.py) provably still held when D saw it finish.
         It stays protected until decided or :meth:`forget` (the request finished on D)."""
         self._protected.add(request_id)
+        if pledge is not None:
+            self._pledges[request_id] = pledge
 
     def is_protected(self, request_id: str) -> bool:
         """Whether ``request_id`` is protected (see :meth:`protect`)."""
@@ -206,17 +221,24 @@ class ReadGate:
         _bounded(sent, MAX_SENT_HEARTBEATS)  # never acknowledged (lost): forgetting it loses nothing
         return self._seq
 
-    def ack(self, agent: str, seq: int, remaining_s: float, remote_request_ids: Iterable[str]) -> None:
+    def ack(self, agent: str, seq: int, remaining_s: float, remote_request_ids: Iterable[str],
+            remote_now_s: float | None = None, clock_id: str | None = None, now: float | None = None) -> None:
         """P acknowledged heartbeat ``seq`` of ``agent``: each lease was live with ``remaining_s``
-        seconds to go (cut to ``max_remaining_s``).
+        seconds to go (cut to ``max_remaining_s``); P's clock ``clock_id`` read ``remote_now_s`` then.
 
         Matched by sequence number to the instant D began that send (no later than P read it), so the
-        horizon ``send + remaining_s`` is never later than P's deadline. An ack for a send D does not
-        know (forged, replayed, or forgotten) is ignored."""
+        horizon ``send + remaining_s / K`` (``K``: :data:`leasekit.lease.pledge.RATE_FACTOR`, the clocks' rate
+        error) is never later than P's deadline, and ``(send, remote_now_s)`` is a
+        sample of P's clock (:class:`leasekit.lease.pledge.RemoteClockBound`; ``now``: when D received the
+        ack, default this gate's clock). An ack for a send D does not know (forged, replayed, or forgotten)
+        is ignored."""
         started = self._sent.get(agent, {}).pop(seq, None)
         if started is None:
             return
-        horizon = started + min(float(remaining_s), self.max_remaining_s)
+        if clock_id is not None and remote_now_s is not None:
+            self._clocks.add_sample(clock_id, started, float(remote_now_s), self._clock() if now is None else now)
+        # P's remaining seconds elapse in no less than remaining / K of D's (leasekit/lease/pledge.py)
+        horizon = started + min(float(remaining_s), self.max_remaining_s) / RATE_FACTOR
         for rid in remote_request_ids:
             key = (agent, rid)
             if horizon > self._horizon.get(key, float("-inf")):
@@ -240,24 +262,35 @@ class ReadGate:
             if read.held_since is None:
                 continue
             answers = [read.verdicts.get(agent) for agent in read.agents]
-            covered = all(self._horizon.get((agent, read.remote_request_id), float("-inf")) >= read.held_since
-                          for agent in read.agents)
+            proof = None
             if read.abandoned:
                 outcome = OUTCOME_ABANDONED
             elif read.ungated:
                 outcome = OUTCOME_UNGATED
             elif any(answer is False for answer in answers):
                 outcome = OUTCOME_REAPED
-            elif covered or all(answer is True for answer in answers):
+            elif (proof := self._proof(request_id, read, answers)) is not None:
                 outcome = OUTCOME_VERIFIED
             elif now - read.held_since >= self.timeout_s:
                 outcome = OUTCOME_TIMEOUT
             else:
                 continue
             decided.append(GateResult(request_id, read.remote_request_id, outcome, max(0.0, now - read.held_since),
-                                      tuple(sorted(read.agents))))
+                                      tuple(sorted(read.agents)), proof))
             self.forget(request_id, now)
         return decided
+
+    def _proof(self, request_id: str, read: _Read, answers: list[bool | None]) -> str | None:
+        """What proves ``read`` (held, no ``reaped`` answer) was of live blocks, or None yet. The pledge
+        and ack horizons are checked at ``held_since``, the instant D saw the read finish."""
+        if self._clocks.covers(self._pledges.get(request_id), read.held_since):
+            return PROOF_PLEDGE
+        if all(self._horizon.get((agent, read.remote_request_id), float("-inf")) >= read.held_since
+               for agent in read.agents):
+            return PROOF_ACK
+        if all(answer is True for answer in answers):
+            return PROOF_VERDICT
+        return None
 
     def forget(self, request_id: str, now: float | None = None) -> None:
         """Drop everything about ``request_id`` (decided, or finished on D: aborted, failed). Its
@@ -266,6 +299,7 @@ class ReadGate:
         now = self._clock() if now is None else now
         read = self._reads.pop(request_id, None)
         self._protected.discard(request_id)
+        self._pledges.pop(request_id, None)
         if read is None:
             return
         for agent in read.agents:

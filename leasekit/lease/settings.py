@@ -110,12 +110,39 @@ def fail_closed_enabled(extra_config: Any) -> bool:
     return value
 
 
+PLEDGE_EXTRA_KEY = "leasekit_pledge_s"
+DEFAULT_PLEDGE_S = 1.0
+
+
+def pledge_seconds(extra_config: Any, lease_duration_s: float) -> float:
+    """Seconds after a grant before which P frees none of its blocks, whatever completions arrive (the
+    grant pledge, leasekit/lease/pledge.py): ``kv_connector_extra_config.leasekit_pledge_s``, default
+    ``min(1, L)``; 0 turns the pledge off (every read right after a grant then waits for an ack or a
+    verdict). Costs P: a lease whose read finished earlier keeps its blocks pinned until then.
+
+    Raises:
+        ReadGateConfigError: not a number of seconds in ``[0, L]``.
+    """
+    get = _getter(extra_config)
+    value = get(PLEDGE_EXTRA_KEY, None)
+    if value is None:
+        return min(DEFAULT_PLEDGE_S, float(lease_duration_s))
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= lease_duration_s:
+        raise ReadGateConfigError(
+            f"kv_connector_extra_config.{PLEDGE_EXTRA_KEY}={value!r}: must be seconds in "
+            f"[0, kv_lease_duration={lease_duration_s:g}]; fix: leave it unset (min({DEFAULT_PLEDGE_S:g}, "
+            "kv_lease_duration)), or 0 to turn the pledge off"
+        )
+    return float(value)
+
+
 RUN_DIR_EXTRA_KEY = "leasekit_run_dir"
 
 ROLE_OF_KEY = {
     MAX_HOLD_EXTRA_KEY: "kv_producer",
     MAX_BYTES_EXTRA_KEY: None,  # both roles parse the NIXL notifications they receive (P answers D over ZMQ)
     FAIL_CLOSED_EXTRA_KEY: "kv_producer",
+    PLEDGE_EXTRA_KEY: "kv_producer",
     VERDICT_TIMEOUT_EXTRA_KEY: "kv_consumer",
     RUN_DIR_EXTRA_KEY: None,
 }
@@ -141,7 +168,8 @@ def lint_leasekit_keys(extra: Mapping, role: object, lease_duration_s: float | N
     checks = [lambda: fail_closed_enabled(extra)]
     if lease_duration_s is not None:
         checks += [lambda: notification_settings(extra, lease_duration_s),
-                   lambda: verdict_timeout(extra, lease_duration_s)]
+                   lambda: verdict_timeout(extra, lease_duration_s),
+                   lambda: pledge_seconds(extra, lease_duration_s)]
     for check in checks:
         try:
             check()

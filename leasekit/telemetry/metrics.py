@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from leasekit.lease.codec import DECODE_ERROR_REASONS
-from leasekit.lease.readgate import READ_OUTCOMES as _READ_OUTCOMES
+from leasekit.lease.readgate import READ_OUTCOMES as _READ_OUTCOMES, READ_PROOFS as _READ_PROOFS
 
 VLLM_ENGINE_LABELS = ("model_name", "engine")
 """The labels vLLM puts on every per-engine metric (``vllm/v1/metrics/loggers.py``)."""
@@ -57,6 +57,9 @@ READ_OUTCOMES = _READ_OUTCOMES
 the lease covered the read), ``reaped`` (P had ended the lease: the read was discarded and vLLM's
 ``kv_load_failure_policy`` applied), ``timeout`` (no verdict in time: discarded likewise),
 ``unprotected`` (a stock P: the read was used unchecked, as stock vLLM does)."""
+
+READ_PROOFS = _READ_PROOFS
+"""``proof`` label values of :data:`READ_PROOFS_METRIC` (:mod:`leasekit.lease.readgate`)."""
 
 HOLD_OUTCOMES = ("released", "expired", "aborted")
 """``outcome`` label values of :data:`HOLD` (how the lease ended)."""
@@ -191,6 +194,17 @@ READ_VERDICT_WAIT = MetricSpec(
     "one notification round trip plus P's step; unprotected and abandoned reads are not observed), per D "
     "TP rank.", _RANK, "D",
     (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 6, 10))
+READ_PROOFS_METRIC = MetricSpec(
+    PREFIX + "read_proofs", "counter",
+    "Verified reads by what proved P still held the blocks when D saw the read finish: pledge (the grant's "
+    "pledge, no wait), ack (a heartbeat acknowledgement, no wait once it arrived) or verdict (P's answer to "
+    "the completion): counts per request per D TP rank.", _RANK + ("proof",), "D")
+PLEDGE_HOLD = MetricSpec(
+    PREFIX + "pledge_hold_seconds", "histogram",
+    "Seconds P kept a lease's blocks pinned after D's completion because the grant's pledge (leasekit_pledge_s) "
+    "had not ended yet: the P memory the no-wait fast path costs; one observation per such lease, per P TP "
+    "rank.", _RANK, "P",
+    (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8))
 VERDICT_SEND_FAILURES = MetricSpec(
     PREFIX + "verdict_send_failures", "counter",
     "Read verdicts P failed to send to a D agent (its ZMQ queue was full: D gone, partitioned or not reading; "
@@ -224,7 +238,7 @@ LEASEKIT_METRICS: tuple[MetricSpec, ...] = (
     LEASES_ACTIVE, PINNED_BLOCKS, EXPIRING_SOON, GRANTS, EXTENSIONS, RELEASES, EXPIRIES, ABORTS,
     LATE_COMPLETIONS, HEARTBEATS_SENT, HEARTBEAT_SEND_FAILURES, HOLD, HEARTBEAT_GAP, RECLAIM_LAG,
     DURATION, HEARTBEAT_INTERVAL, EXTENSION, NOTIFICATIONS_DROPPED, MAX_HOLD,
-    READS, READ_VERDICT_WAIT, VERDICT_SEND_FAILURES,
+    READS, READ_VERDICT_WAIT, READ_PROOFS_METRIC, VERDICT_SEND_FAILURES, PLEDGE_HOLD,
     HANDSHAKE_LISTENER_UP, HANDSHAKE_REQUESTS, HANDSHAKE_BAD_REQUESTS,
 )
 """Every metric LeaseKitConnector exports, in documentation order."""

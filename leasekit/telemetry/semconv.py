@@ -84,5 +84,8 @@ READ_OUTCOME = "leasekit.read_outcome"
 D_FAIL_CLOSED = "leasekit.d_fail_closed"
 """kv_lease_late_read: whether the reading D discards the read (it speaks the fail-closed protocol)."""
 READ_VERDICT_WAIT_S = "leasekit.read_verdict_wait_s"
+READ_PROOF = "leasekit.read_proof"  # verified reads: verdict | ack | pledge (what proved the lease held)
+PLEDGE_UNTIL_MONOTONIC_S = "leasekit.pledge_until_monotonic_s"  # P: the grant pledge's end, worker clock
+PLEDGE_HOLD_S = "leasekit.pledge_hold_s"  # P: seconds the blocks stayed pinned after the completion
 READ_AGENTS = "leasekit.read_agents"
 READ_DISCARDED_OUTCOMES = ("reaped", "timeout", "ungated")

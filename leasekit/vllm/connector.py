@@ -38,8 +38,10 @@ Configuration (``kv_connector_extra_config``): ``kv_lease_duration`` (vLLM's own
 ``leasekit_max_hold_s`` (seconds, ``[L, max(L, 86400)]``, default ``max(480, L)``), ``leasekit_max_notification_bytes``
 (``[1024, 64 MiB]``, default 1 MiB), ``leasekit_verdict_timeout_s`` (D: seconds to wait for P's
 verdict on a read, ``[0.05, 86400]``, default ``min(L, 600)``), ``leasekit_fail_closed`` (P: mark
-requests for the fail-closed protocol; default true); an out-of-range value stops the engine at
-start with the fix.
+requests for the fail-closed protocol; default true), ``leasekit_pledge_s`` (P: seconds after a grant
+before which none of its blocks is freed, so that D can use a read finished by then with no wait;
+``[0, L]``, default ``min(1, L)``, 0 off; leasekit/lease/pledge.py); an out-of-range value stops the
+engine at start with the fix.
 Telemetry errors are logged (rate-limited) and never raised into the engine loop.
 """
 
@@ -82,6 +84,7 @@ from leasekit.lease.settings import (  # noqa: E402
     RUN_DIR_EXTRA_KEY,
     fail_closed_enabled,
     notification_settings,
+    pledge_seconds,
     verdict_timeout,
 )
 from leasekit.vllm.dgate import DReadGating  # noqa: E402
@@ -159,7 +162,8 @@ class LeaseKitPullWorker(DHeartbeats, DReadGating, PNotificationHandling, NixlPu
             observers=(self._lk_stats, LeaseLogObserver()),
         )
         self._lk_init_notifications(max_hold_s, max_bytes,
-                                    fail_closed=bool(self.kv_transfer_config.is_kv_producer and fail_closed_enabled(self.kv_transfer_config)))
+                                    fail_closed=bool(self.kv_transfer_config.is_kv_producer and fail_closed_enabled(self.kv_transfer_config)),
+                                    pledge_s=pledge_seconds(self.kv_transfer_config, timing.lease_duration_s))
         self._lk_init_gate(verdict_timeout(self.kv_transfer_config, timing.lease_duration_s),
                            timing.lease_duration_s, tracer)
         self._lk_hb = HeartbeatSpanRecorder(tracer, engine_id=engine_id, tp_rank=self.tp_rank, kv_role=kv_role)
@@ -204,8 +208,12 @@ class LeaseKitPullWorker(DHeartbeats, DReadGating, PNotificationHandling, NixlPu
                     self._lk_hb.untrack(remote_id)
             except Exception as exc:
                 self._lk_errors.report("track", exc)
-        if not metadata.reqs_to_send:
-            return
+        if metadata.reqs_to_send:
+            self._lk_grants(metadata)
+        self._lk_take_pledges(metadata)
+
+    def _lk_grants(self, metadata: Any) -> None:
+        """A grant (lease span) for each new ``_reqs_to_send`` entry of this step's metadata."""
         try:
             blocks = getattr(metadata, METADATA_BLOCKS_ATTR, None) or {}
             traces = getattr(metadata, METADATA_TRACE_ATTR, None) or {}
@@ -227,11 +235,12 @@ class LeaseKitPullWorker(DHeartbeats, DReadGating, PNotificationHandling, NixlPu
         self._lk_last_step = now
         results = super().get_transfer_results()
         try:
-            if self._lk.active > len(self._reqs_to_send):
+            if self._lk.active > len(self._reqs_to_send) + len(self._lk_deferred):
                 for req_id in self._lk.open_ids():
-                    if req_id not in self._reqs_to_send:
+                    if req_id not in self._reqs_to_send and req_id not in self._lk_deferred:
                         self._lk.abort(req_id, "left _reqs_to_send without release or expiry")
             self._lk_sweep_bindings()
+            self._lk_sweep_pledges()
             if self._lk.active or self._lk_stats.active or self._lk_stats.pinned_blocks:
                 self._lk_stats.state(self._lk.expiring_within(self._lk_timing.heartbeat_interval_s, now))
             else:

@@ -35,6 +35,7 @@ from leasekit.lease.codec import (
     encode_hello,
     sequence_token,
 )
+from leasekit.lease.pledge import parse_pledge
 from leasekit.lease.readgate import (
     OUTCOME_ABANDONED,
     OUTCOME_TIMEOUT,
@@ -77,11 +78,12 @@ class DReadGating:
         self._lk_inbox.close()
 
     def _lk_protect(self, marked: Any) -> None:
-        """Requests P marked with ``leasekit_protocol``: ``[D request id, P engine id, P host]`` from the
-        scheduler's metadata. That P engine speaks the protocol: D may say hello to it, naming the inbox
-        endpoint its kernel routes to that host from."""
-        for request_id, engine_id, *host in marked or ():
-            self._lk_gate.protect(request_id)
+        """Requests P marked with ``leasekit_protocol``: ``[D request id, P engine id, P host, pledge]`` from
+        the scheduler's metadata (pledge: ``[until_us, clock id]`` or None, leasekit/lease/pledge.py). That P engine speaks the protocol:
+        D may say hello to it, naming the inbox endpoint its kernel routes to that host from."""
+        for request_id, engine_id, *rest in marked or ():
+            host = rest[:1]
+            self._lk_gate.protect(request_id, parse_pledge(rest[1]) if len(rest) > 1 else None)
             if engine_id:
                 self._lk_protocol_engines.add(str(engine_id))
                 if host and host[0]:
@@ -101,7 +103,8 @@ class DReadGating:
             if isinstance(message, Verdict):
                 self._lk_gate.verdict(agent, message.req_id, message.ok)
             elif isinstance(message, Ack):
-                self._lk_gate.ack(agent, message.seq, message.remaining_s, message.req_ids)
+                self._lk_gate.ack(agent, message.seq, message.remaining_s, message.req_ids, message.remote_now_s,
+                                  message.clock_id)
             else:
                 self._lk_drop(REASON_BAD_PROTOCOL, agent, "verdict inbox: neither a verdict nor an ack")
 
@@ -253,7 +256,7 @@ class DReadGating:
         return "the read could not be checked (a repeated read of that P request, or the gate's hook failed)"
 
     def _lk_record_read(self, result: GateResult, now: float) -> None:
-        self._lk_stats.read(result.outcome, result.wait_s)
+        self._lk_stats.read(result.outcome, result.wait_s, result.proof)
         if result.outcome == OUTCOME_TIMEOUT:  # P may have closed this D's agent (cap, restart), or D's address
             # changed: route again, and say hello again (P reconnects if the endpoint changed or it forgot us)
             self._lk_hello_sent.difference_update(agent_name(a) for a in result.agents)
@@ -270,6 +273,7 @@ class DReadGating:
             sc.READ_VERDICT_WAIT_S: result.wait_s,
             sc.READ_AGENTS: list(result.agents),
             sc.EV_MONOTONIC_S: now,
+            **({sc.READ_PROOF: result.proof} if result.proof else {}),
             **({KV_DIGEST_ATTR: digest} if digest is not None else {}),
         })
         span.end()

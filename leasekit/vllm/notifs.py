@@ -57,6 +57,7 @@ from leasekit.lease.codec import (
 from leasekit.lease.readgate import agent_name
 from leasekit.telemetry import lease_events as ev
 from leasekit.telemetry.lease_log import RateLimitedWarning, lease_logger
+from leasekit.vllm.pholds import PPledgeHolds
 from leasekit.vllm.verdictchan import MAX_ACK_BYTES, VerdictOutbox, decode_hello_payload
 
 MAX_PENDING_VERDICTS_PER_AGENT = 256
@@ -70,18 +71,22 @@ answered is closed (its D says hello again after one read times out)."""
 
 
 
-class PNotificationHandling:
+class PNotificationHandling(PPledgeHolds):
     """Mixin for LeaseKitConnector's NIXL worker (needs vLLM's ``_reqs_to_send``, ``_reqs_to_process``,
     ``_lease_extension``, ``consumer_notification_counts_by_req``, ``xfer_stats``, ``nixl_wrapper`` and
     LeaseKit's ``_lk`` span recorder and ``_lk_stats``). Call :meth:`_lk_init_notifications` in
     ``__init__`` after those exist."""
 
-    def _lk_init_notifications(self, max_hold_s: float, max_bytes: int, *, fail_closed: bool) -> None:
+    def _lk_init_notifications(self, max_hold_s: float, max_bytes: int, *, fail_closed: bool,
+                               pledge_s: float = 0.0) -> None:
         """``max_hold_s``: seconds (see :func:`notification_settings`); ``max_bytes``: the largest
         notification handled; ``fail_closed``: this P speaks the fail-closed protocol
         (``leasekit_fail_closed``); when False hellos are ignored, as a stock P does, and P never
-        connects to a D nor answers one (no verdicts, no acknowledgements)."""
+        connects to a D nor answers one (no verdicts, no acknowledgements); ``pledge_s``: P's
+        ``leasekit_pledge_s``, seconds (0: no pledge; leasekit/vllm/pholds.py)."""
         self._lk_fail_closed = fail_closed
+        self._lk_init_pledges(pledge_s if fail_closed else 0.0)
+        self._lk_pledge_warning = RateLimitedWarning(lease_logger())
         self._lk_binding = LeaseBinding()
         self._lk_max_hold_s = max_hold_s
         self._lk_max_bytes = max_bytes
@@ -110,6 +115,11 @@ class PNotificationHandling:
                     self._lk_notification(agent_name(agent), raw, now, done, heartbeats_seen)
                 except Exception as exc:  # a bug of ours must not take P's engine down
                     self._lk_drop("internal_error", agent, f"{type(exc).__name__}: {exc}")
+        try:
+            self._lk_release_deferred(now, done)  # pledged leases whose completion came early (pholds.py)
+        except Exception as exc:  # a bug of ours must not take P's engine down (the ids go to vLLM first)
+            self._lk_pledge_warning.warn("LeaseKit: releasing pledged leases failed: %s: %s", type(exc).__name__,
+                                         exc, event="pledge_release_error")
         return done
 
     def _lk_notification(self, agent: str, raw: Any, now: float, done: set[str], heartbeats_seen: set[bytes]) -> None:
@@ -225,7 +235,8 @@ class PNotificationHandling:
                 if size > MAX_ACK_BYTES:
                     break
                 named.append(req_id)
-            self._lk_send_verdict_bytes(agent, encode_ack(seq, remaining if acked else 0.0, named), ack=True)
+            self._lk_send_verdict_bytes(agent, encode_ack(seq, remaining if acked else 0.0, named, now, self._lk_clock_id),
+                                        ack=True)
 
     def _lk_cap(self, req_id: str, deadline: float) -> float:
         grant = self._lk.grant_time(req_id)
@@ -233,8 +244,12 @@ class PNotificationHandling:
 
     def _lk_completion(self, agent: str, message: Completion, now: float, done: set[str]) -> None:
         req_id = message.req_id
-        live = req_id in self._reqs_to_send or req_id in self._reqs_to_process
+        deferred = req_id in self._lk_deferred or req_id in self._lk_early  # completed, still pinned (pholds.py)
+        live = deferred or req_id in self._reqs_to_send or req_id in self._reqs_to_process
         self._lk_verdict(agent, req_id, live)  # before anything can raise: D must hear, whatever happens
+        if deferred:
+            self._lk_drop("duplicate", agent, f"completion for request {req_id}, already completed")
+            return
         if not live:
             fail_closed = agent in self._lk_protocol_agents  # it hears "reaped" and discards the read
             if self._lk.late_read(req_id, remote_agent=agent, now=now, fail_closed=fail_closed):
@@ -258,12 +273,16 @@ class PNotificationHandling:
         self._lk.retrieval(req_id, remote_agent=agent, now=now)
         self.consumer_notification_counts_by_req[req_id] += 1
         if result == RELEASED:
-            done.add(req_id)
+            if req_id not in self._reqs_to_send:  # before its grant reached this worker: held (pholds.py)
+                self._lk_park_early(req_id, now)
+                return
             self.consumer_notification_counts_by_req.pop(req_id, None)
             self.expected_consumer_notifications_by_req.pop(req_id, None)
             self._reqs_to_process.discard(req_id)
             self._reqs_to_send.pop(req_id, None)
-            self._lk.release(req_id, now=now)
+            if not self._lk_defer_release(req_id, now):  # else freed when its pledge ends
+                done.add(req_id)
+                self._lk.release(req_id, now=now)
 
     def _lk_expiry_cause(self, req_id: str) -> str | None:
         """``max_hold`` when ``req_id``'s deadline sits at its cap, else None (the recorder decides)."""

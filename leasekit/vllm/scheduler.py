@@ -10,15 +10,18 @@ Import it through :mod:`leasekit.vllm.connector`, which checks the vLLM release 
 from __future__ import annotations
 
 import os
+import time
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import NixlPullConnectorScheduler
 from vllm.logger import init_logger
 from vllm.utils.network_utils import make_zmq_path
 
-from leasekit.lease.codec import PROTOCOL_PARAM, PROTOCOL_VERSION
+from leasekit.lease.codec import D_ACCEPTED_VERSIONS, PROTOCOL_PARAM, PROTOCOL_VERSION
+from leasekit.lease.pledge import PLEDGE_PARAM, encode_pledge, parse_pledge, pledge_until
 from leasekit.telemetry.lease_log import RateLimitedWarning
-from leasekit.lease.settings import fail_closed_enabled
+from leasekit.lease.settings import fail_closed_enabled, pledge_seconds
+from leasekit.vllm.clockid import local_clock_id
 from leasekit.vllm.faultpoints import FAULT_FILE_ENV
 from leasekit.vllm.listener import ListenerHealth, serve_handshakes
 from leasekit.vllm.stats import LeaseKitKVConnectorStats, ListenerStatsReporter
@@ -37,7 +40,7 @@ METADATA_UNTRACKED_ATTR = "leasekit_untracked"
 METADATA_PROTECTED_ATTR = "leasekit_protected"
 METADATA_FINISHED_ATTR = "leasekit_finished"
 METADATA_BLOCK_IDS_ATTR = "leasekit_kv_block_ids"
-
+METADATA_PLEDGES_ATTR = "leasekit_pledges"
 
 
 class LeaseKitPullScheduler(NixlPullConnectorScheduler):
@@ -56,6 +59,9 @@ class LeaseKitPullScheduler(NixlPullConnectorScheduler):
         self._leasekit_finished: list[str] = []
         self._lk_protected_ids: set[str] = set()
         self._lk_fail_closed = fail_closed_enabled(vllm_config.kv_transfer_config)
+        self._lk_pledge_s = pledge_seconds(vllm_config.kv_transfer_config, self._kv_lease_duration)
+        self._lk_clock_id = local_clock_id() if self._lk_fail_closed and self._lk_pledge_s > 0 else None
+        self._leasekit_pledges: dict[str, float] = {}
         self._leasekit_block_ids: dict[str, list[int]] = {}  # only with fault points (kvdigest.py)
         self._lk_digests = bool(os.environ.get(FAULT_FILE_ENV))
         self._lk_listener = ListenerHealth()
@@ -98,6 +104,11 @@ class LeaseKitPullScheduler(NixlPullConnectorScheduler):
             self._leasekit_finished.append(request.request_id)
         if self._lk_fail_closed and delay_free and isinstance(params, dict) and params.get("do_remote_prefill"):
             params[PROTOCOL_PARAM] = PROTOCOL_VERSION  # D may hold its read for P's verdict (dgate.py)
+            deadline = self._reqs_need_send.get(request.request_id)
+            if self._lk_clock_id is not None and deadline is not None:
+                until = pledge_until(time.perf_counter(), self._lk_pledge_s, deadline)
+                params[PLEDGE_PARAM] = encode_pledge(until, self._lk_clock_id)
+                self._leasekit_pledges[request.request_id] = until  # the workers hold the blocks until then
         if delay_free and request.request_id in self._reqs_need_send:
             self._leasekit_blocks[request.request_id] = sum(len(group) for group in block_ids)
             if self._lk_digests and block_ids:
@@ -112,9 +123,12 @@ class LeaseKitPullScheduler(NixlPullConnectorScheduler):
         ``[P request id, P engine id, D request id, trace headers]``."""
         super().on_new_request(request)
         params = request.kv_transfer_params
-        if params and params.get("do_remote_prefill") and params.get(PROTOCOL_PARAM) == PROTOCOL_VERSION:
+        marker = params.get(PROTOCOL_PARAM) if params else None
+        if params and params.get("do_remote_prefill") and type(marker) is int and marker in D_ACCEPTED_VERSIONS:
+            pledge = parse_pledge(params.get(PLEDGE_PARAM))
             self._leasekit_protected.append([request.request_id, params.get("remote_engine_id"),
-                                             params.get("remote_host")])
+                                             params.get("remote_host"),
+                                             None if pledge is None else list(params[PLEDGE_PARAM])])
             self._lk_protected_ids.add(request.request_id)
         key = self._heartbeat_req_engine.get(request.request_id)
         if key is not None:
@@ -132,8 +146,10 @@ class LeaseKitPullScheduler(NixlPullConnectorScheduler):
         """Stock metadata plus this step's ``leasekit_kv_blocks`` (req_id -> blocks),
         ``leasekit_trace_headers`` (req_id -> headers), ``leasekit_tracked`` and ``leasekit_untracked``
         (D's heartbeat tracking), ``leasekit_protected`` (``[D request id, P engine id, P side-channel
-        host]`` P marked for the fail-closed protocol), ``leasekit_finished`` (protected requests that finished on D) and
-        ``leasekit_kv_block_ids`` (req_id -> block ids, only with chaos fault points); each emptied after."""
+        host, pledge [until_us, clock id] or None]`` P marked for the fail-closed protocol), ``leasekit_finished`` (protected requests that finished on D) and
+        ``leasekit_kv_block_ids`` (req_id -> block ids, only with chaos fault points) and ``leasekit_pledges`` (P:
+        req_id -> pledge end, seconds on this process's ``perf_counter``, rebased by the workers like vLLM's
+        deadlines); each emptied after."""
         meta = super().build_connector_meta(scheduler_output)
         setattr(meta, METADATA_BLOCKS_ATTR, self._leasekit_blocks)
         setattr(meta, METADATA_TRACE_ATTR, self._leasekit_trace)
@@ -142,7 +158,9 @@ class LeaseKitPullScheduler(NixlPullConnectorScheduler):
         setattr(meta, METADATA_PROTECTED_ATTR, self._leasekit_protected)
         setattr(meta, METADATA_FINISHED_ATTR, self._leasekit_finished)
         setattr(meta, METADATA_BLOCK_IDS_ATTR, self._leasekit_block_ids)
+        setattr(meta, METADATA_PLEDGES_ATTR, self._leasekit_pledges)
         self._leasekit_blocks, self._leasekit_trace, self._leasekit_block_ids = {}, {}, {}
+        self._leasekit_pledges = {}
         self._leasekit_tracked, self._leasekit_untracked, self._leasekit_protected = [], [], []
         self._leasekit_finished = []
         return meta

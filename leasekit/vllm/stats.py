@@ -39,11 +39,12 @@ STATE = "lk_state"  # [rank, active, pinned_blocks, expiring_soon]  latest wins
 CONFIG = "lk_config"  # [rank, kv_role, L, H, E]
 DROPS = "lk_drops"  # [rank, reason, count]  one entry per reason per step (a flood stays small)
 MAX_HOLD = "lk_max_hold"  # [rank, kv_role, max_hold_s]
-READS = "lk_reads"  # [rank, outcome, wait_s]  D's read gate, one per decided read
+READS = "lk_reads"  # [rank, outcome, wait_s, proof]  D's read gate, one per decided read (proof: verified only)
 VERDICT_FAILS = "lk_verdict_fails"  # [rank]  P failed to send a read verdict
+PLEDGE_HOLDS = "lk_pledge_holds"  # [rank, held_s]  P kept a completed lease's blocks until its pledge ended
 LISTENER = "lk_listener"  # [up (1|0), served_total, {reason: total}]  scheduler side, no rank; latest wins
 LEASE_KEYS = (GRANTS, EXTENSIONS, ENDS, LATE, HEARTBEATS, STATE, CONFIG, DROPS, MAX_HOLD, READS, VERDICT_FAILS,
-              LISTENER)
+              PLEDGE_HOLDS, LISTENER)
 
 
 class LeaseKitKVConnectorStats(NixlKVConnectorStats):
@@ -118,10 +119,14 @@ class LeaseStatsObserver:
                 return
         entries.append([self.tp_rank, str(reason), 1])
 
-    def read(self, outcome: str, wait_s: float) -> None:
+    def read(self, outcome: str, wait_s: float, proof: str | None = None) -> None:
         """Record one read D's gate decided (``outcome``: one of ``metrics.READ_OUTCOMES``; ``wait_s``:
-        seconds the read was held back)."""
-        self.stats.data[READS].append([self.tp_rank, str(outcome), float(wait_s)])
+        seconds the read was held back; ``proof``: for a verified read, one of ``metrics.READ_PROOFS``)."""
+        self.stats.data[READS].append([self.tp_rank, str(outcome), float(wait_s), proof])
+
+    def pledge_hold(self, held_s: float) -> None:
+        """Record that P kept a completed lease's blocks pinned ``held_s`` seconds more for its pledge."""
+        self.stats.data[PLEDGE_HOLDS].append([self.tp_rank, float(held_s)])
 
     def verdict_send_failed(self) -> None:
         """Record one read verdict P failed to send."""
@@ -215,6 +220,7 @@ class LeaseKitPromMetrics(NixlPromMetrics):
             for label in spec.labels[1:]:  # tp_rank first
                 values = {"cause": m.EXPIRY_CAUSES,
                           "outcome": m.READ_OUTCOMES if spec is m.READS else m.HOLD_OUTCOMES,
+                          "proof": m.READ_PROOFS,
                           "reason": m.NOTIFICATION_DROP_REASONS,
                           "fail_closed": ("false",)}.get(label, (m.UNKNOWN_REMOTE,))
                 extra = [e + [v] for e in extra for v in values]
@@ -256,12 +262,16 @@ class LeaseKitPromMetrics(NixlPromMetrics):
             self._child(m.EXTENSION, engine_idx, role).set(extension_s)
         for rank, reason, count in d.get(DROPS, ()):
             self._child(m.NOTIFICATIONS_DROPPED, engine_idx, rank, reason).inc(count)
-        for rank, outcome, wait_s in d.get(READS, ()):
+        for rank, outcome, wait_s, *proof in d.get(READS, ()):
             self._child(m.READS, engine_idx, rank, outcome).inc()
+            if proof and proof[0] in m.READ_PROOFS:
+                self._child(m.READ_PROOFS_METRIC, engine_idx, rank, proof[0]).inc()
             if outcome not in ("unprotected", "abandoned"):  # the protocol's cost, not a client's abort
                 self._child(m.READ_VERDICT_WAIT, engine_idx, rank).observe(wait_s)
         for (rank,) in d.get(VERDICT_FAILS, ()):
             self._child(m.VERDICT_SEND_FAILURES, engine_idx, rank).inc()
+        for rank, held_s in d.get(PLEDGE_HOLDS, ()):
+            self._child(m.PLEDGE_HOLD, engine_idx, rank).observe(held_s)
         for _rank, role, max_hold_s in d.get(MAX_HOLD, ()):
             self._child(m.MAX_HOLD, engine_idx, role).set(max_hold_s)
         for up, served, bad in d.get(LISTENER, ()):  # in order: the last one wins

@@ -32,7 +32,7 @@ import pytest
 from leasekit.chaos.faults.stall import FreezerStall
 from leasekit.cluster.pair import PairSpec, PDPair
 from leasekit.cluster.server import SERVED_MODEL_NAME
-from leasekit.lease.readgate import OUTCOME_REAPED, OUTCOME_TIMEOUT, OUTCOME_VERIFIED
+from leasekit.lease.readgate import OUTCOME_REAPED, OUTCOME_TIMEOUT, OUTCOME_VERIFIED, PROOF_PLEDGE
 from leasekit.telemetry import semconv as sc
 from leasekit.telemetry import metrics as m
 from leasekit.telemetry.spanfile import read_span_dir
@@ -107,6 +107,19 @@ def _read_waits(pair, rid: str) -> list[tuple[str, float]]:
             if s.name == sc.READ_SPAN_NAME and s.attributes.get(sc.REQUEST_ID) == rid]
 
 
+def _read_proofs(pair, rid: str) -> list[tuple[str, float, str | None]]:
+    return [(s.attributes.get(sc.READ_OUTCOME), s.attributes.get(sc.READ_VERDICT_WAIT_S), s.attributes.get(sc.READ_PROOF))
+            for s in read_span_dir(pair.span_dir).spans
+            if s.name == sc.READ_SPAN_NAME and s.attributes.get(sc.REQUEST_ID) == rid]
+
+
+def _lease_attribute(pair, rid: str, key: str):
+    for span in read_span_dir(pair.span_dir).spans:
+        if span.name == sc.LEASE_SPAN_NAME and span.attributes.get(sc.REQUEST_ID) == rid:
+            return span.attributes.get(key)
+    return None
+
+
 def _queued_read(pair, wait_s: float = 3.0) -> str:
     """One request that waits ``wait_s`` s in D's queue (D heartbeats it) before D reads; its P id."""
     stop = threading.Event()
@@ -161,6 +174,17 @@ def test_blocks_reused_before_a_late_read_are_never_served(vllm_available, tmp_p
         queued = _queued_read(pair)
         _wait(lambda: _read_waits(pair, queued) != [], 10, "the queued read's span")
         assert _read_waits(pair, queued) == [(OUTCOME_VERIFIED, 0.0)]
+        # a read right after its grant, D holding a fresh sample of P's clock (the previous request's ack):
+        # the grant's pledge proves it with no wait, and P kept the blocks pinned until the pledge ended
+        assert pair.router.generate(pair.prompt(48), TOKENS).decode.ok
+        fast = pair.router.generate(pair.prompt(48), TOKENS)
+        assert fast.decode is not None and fast.decode.ok
+        _wait(lambda: _read_proofs(pair, fast.prefill.request_id) != [], 10, "the immediate read's span")
+        assert _read_proofs(pair, fast.prefill.request_id) == [(OUTCOME_VERIFIED, 0.0, PROOF_PLEDGE)]
+        assert lease(pair, fast.prefill.request_id).outcome == "released"
+        assert 0 < _lease_attribute(pair, fast.prefill.request_id, sc.PLEDGE_HOLD_S) <= 1.0 + 0.5
+        p_digest, d_digest = _digests(pair, fast.prefill.request_id)
+        assert p_digest and p_digest == d_digest, "a pledged read holds P's KV"
         rid, tokens, reference = _read_after_reuse(pair)
         assert lease(pair, rid).outcome == "expired"
         outcomes = _read_outcomes(pair, rid)
@@ -169,7 +193,11 @@ def test_blocks_reused_before_a_late_read_are_never_served(vllm_available, tmp_p
         assert p_digest and d_digest and p_digest != d_digest, "D read blocks P had reused for other requests"
         assert tokens == reference, "the discarded read must be recomputed into the reference tokens"
         reads = labelled(pair.decode.url, m.READS.sample_names[0], "outcome")
-        assert reads[OUTCOME_VERIFIED] >= 4 and reads[OUTCOME_REAPED] + reads[OUTCOME_TIMEOUT] == 2, reads
+        assert reads[OUTCOME_VERIFIED] >= 6 and reads[OUTCOME_REAPED] + reads[OUTCOME_TIMEOUT] == 2, reads
+        proofs = labelled(pair.decode.url, m.READ_PROOFS_METRIC.sample_names[0], "proof")
+        assert proofs[PROOF_PLEDGE] >= 1 and sum(proofs.values()) == reads[OUTCOME_VERIFIED], (proofs, reads)
+        held = pair.prefill.metrics().get(m.PLEDGE_HOLD.name + "_count") or 0
+        assert held >= 1, "P observed the pledge hold"
 
 
 def test_stock_d_serves_a_read_of_reclaimed_and_reused_blocks(vllm_available, tmp_path):

@@ -76,7 +76,7 @@ class D(DReadGating, StockPolling):
         return self._pop_done_transfers(self._recving_transfers)
 
     def outcomes(self):
-        return [outcome for _rank, outcome, _wait in self.stats.data[READS]]
+        return [entry[1] for entry in self.stats.data[READS]]
 
 
 def protected_read(d: D, request_id="d1", agent="p0", remote="P1"):
