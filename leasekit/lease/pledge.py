@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 import re
 from collections import deque
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
 PLEDGE_PARAM = "leasekit_pledge"
@@ -77,19 +78,22 @@ def parse_pledge(value: object) -> Pledge | None:
 
 
 def pledge_until(grant_s: float, pledge_s: float, deadline_s: float) -> float:
-    """``min(grant_s + pledge_s, deadline_s)``, seconds on P's clock: the pledge never outlives the lease's
-    first deadline, so P's reaper can never free the blocks before it either."""
-    return min(grant_s + pledge_s, deadline_s)
+    """``min(grant_s + pledge_s, grant_s + (deadline_s - grant_s) / K)``, seconds on P's clock: the pledge
+    ends before the lease's first deadline by the rate margin, so that P's reaper cannot free the blocks
+    before it either, even on a P worker whose clock (another host) runs up to 10 % off the scheduler's."""
+    return min(grant_s + pledge_s, grant_s + (deadline_s - grant_s) / RATE_FACTOR)
 
 
 class RemoteClockBound:
-    """Upper bounds of remote clocks read through D's own, from acknowledgement samples.
+    """Upper bounds of remote clocks read through D's own, from acknowledgement samples, per key (the gate
+    uses ``(P agent, clock id)``: samples of one P worker never bound another's clock, even where two
+    clocks share an id, e.g. processes restored from one snapshot).
 
     A sample ``(s, p)``: D began a send at ``s`` (its clock, seconds) and the remote read ``p`` (its
     clock, seconds) after that send arrived. For a D instant ``t >= s`` the remote clock reads at most
     ``p + (t - s) * K``; for ``t < s`` at most ``p``. The bound at ``t`` is the least over the last
-    :data:`SAMPLES_PER_CLOCK` samples of that clock. Holds at most :data:`MAX_CLOCKS` clock ids (the
-    least recently sampled forgotten first). Pure; not thread-safe.
+    :data:`SAMPLES_PER_CLOCK` samples of that key. Holds at most :data:`MAX_CLOCKS` keys (the least
+    recently sampled forgotten first). Pure; not thread-safe.
 
     Args:
         rate_factor: ``K`` (>= 1), default :data:`RATE_FACTOR`.
@@ -102,10 +106,10 @@ class RemoteClockBound:
         if not (isinstance(rate_factor, (int, float)) and math.isfinite(rate_factor) and rate_factor >= 1):
             raise ValueError(f"rate_factor={rate_factor!r}: must be a finite number >= 1")
         self.rate_factor = float(rate_factor)
-        self._samples: dict[str, deque[tuple[float, float]]] = {}
+        self._samples: dict[Hashable, deque[tuple[float, float]]] = {}
 
-    def add_sample(self, clock_id: str, sent_s: float, remote_now_s: float, received_s: float | None = None) -> bool:
-        """Record that remote clock ``clock_id`` read ``remote_now_s`` after a send D began at ``sent_s``
+    def add_sample(self, key: Hashable, sent_s: float, remote_now_s: float, received_s: float | None = None) -> bool:
+        """Record that the remote clock of ``key`` read ``remote_now_s`` after a send D began at ``sent_s``
         (and, if given, before D received the answer at ``received_s``). Non-finite values are ignored.
 
         Returns:
@@ -115,32 +119,37 @@ class RemoteClockBound:
         if not (math.isfinite(sent_s) and math.isfinite(remote_now_s)):
             return False
         contradicted = False
-        samples = self._samples.pop(clock_id, None)
+        samples = self._samples.pop(key, None)
         if samples is None:
             samples = deque(maxlen=SAMPLES_PER_CLOCK)
         elif received_s is not None and math.isfinite(received_s) and samples:
             bound = min(p + (received_s - s) * self.rate_factor if received_s >= s else p for s, p in samples)
-            if remote_now_s > bound:
+            if remote_now_s > bound + 1e-6:  # beyond float rounding (the wire's resolution is 1 us)
                 samples.clear()
                 contradicted = True
         samples.append((float(sent_s), float(remote_now_s)))
-        self._samples[clock_id] = samples  # most recently sampled last
+        self._samples[key] = samples  # most recently sampled last
         while len(self._samples) > MAX_CLOCKS:
             del self._samples[next(iter(self._samples))]
         return contradicted
 
-    def upper_bound(self, clock_id: str, at_s: float) -> float | None:
-        """The most remote clock ``clock_id`` can read at D instant ``at_s`` (seconds), or None with no sample."""
-        samples = self._samples.get(clock_id)
+    def upper_bound(self, key: Hashable, at_s: float) -> float | None:
+        """The most the remote clock of ``key`` can read at D instant ``at_s`` (seconds), or None with no sample."""
+        samples = self._samples.get(key)
         if not samples:
             return None
         k = self.rate_factor
         return min(p + (at_s - s) * k if at_s >= s else p for s, p in samples)
 
-    def covers(self, pledge: Pledge | None, at_s: float) -> bool:
-        """Whether ``pledge`` provably still held at D instant ``at_s``: the remote clock's bound there is
-        below ``pledge.until_s``. False without a pledge or a sample of its clock."""
-        if pledge is None:
+    def covers(self, pledge: Pledge | None, at_s: float, keys: Iterable[Hashable]) -> bool:
+        """Whether ``pledge`` provably still held at D instant ``at_s`` on every clock of ``keys`` (the P
+        workers a read used): each has a sample and its bound there is below ``pledge.until_s``. False
+        without a pledge or without keys."""
+        keys = list(keys)
+        if pledge is None or not keys:
             return False
-        bound = self.upper_bound(pledge.clock_id, at_s)
-        return bound is not None and bound < pledge.until_s
+        for key in keys:
+            bound = self.upper_bound(key, at_s)
+            if bound is None or not bound < pledge.until_s:
+                return False
+        return True

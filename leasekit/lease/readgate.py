@@ -236,7 +236,7 @@ class ReadGate:
         if started is None:
             return
         if clock_id is not None and remote_now_s is not None:
-            self._clocks.add_sample(clock_id, started, float(remote_now_s), self._clock() if now is None else now)
+            self._clocks.add_sample((agent, clock_id), started, float(remote_now_s), self._clock() if now is None else now)
         # P's remaining seconds elapse in no less than remaining / K of D's (leasekit/lease/pledge.py)
         horizon = started + min(float(remaining_s), self.max_remaining_s) / RATE_FACTOR
         for rid in remote_request_ids:
@@ -283,7 +283,9 @@ class ReadGate:
     def _proof(self, request_id: str, read: _Read, answers: list[bool | None]) -> str | None:
         """What proves ``read`` (held, no ``reaped`` answer) was of live blocks, or None yet. The pledge
         and ack horizons are checked at ``held_since``, the instant D saw the read finish."""
-        if self._clocks.covers(self._pledges.get(request_id), read.held_since):
+        pledge = self._pledges.get(request_id)
+        if pledge is not None and self._clocks.covers(pledge, read.held_since,
+                                                      [(agent, pledge.clock_id) for agent in read.agents]):
             return PROOF_PLEDGE
         if all(self._horizon.get((agent, read.remote_request_id), float("-inf")) >= read.held_since
                for agent in read.agents):

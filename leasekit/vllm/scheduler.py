@@ -41,6 +41,7 @@ METADATA_PROTECTED_ATTR = "leasekit_protected"
 METADATA_FINISHED_ATTR = "leasekit_finished"
 METADATA_BLOCK_IDS_ATTR = "leasekit_kv_block_ids"
 METADATA_PLEDGES_ATTR = "leasekit_pledges"
+METADATA_PLEDGE_CLOCK_ATTR = "leasekit_pledge_clock"
 
 
 class LeaseKitPullScheduler(NixlPullConnectorScheduler):
@@ -149,7 +150,7 @@ class LeaseKitPullScheduler(NixlPullConnectorScheduler):
         host, pledge [until_us, clock id] or None]`` P marked for the fail-closed protocol), ``leasekit_finished`` (protected requests that finished on D) and
         ``leasekit_kv_block_ids`` (req_id -> block ids, only with chaos fault points) and ``leasekit_pledges`` (P:
         req_id -> pledge end, seconds on this process's ``perf_counter``, rebased by the workers like vLLM's
-        deadlines); each emptied after."""
+        deadlines) with ``leasekit_pledge_clock`` (this process's clock id); each emptied after."""
         meta = super().build_connector_meta(scheduler_output)
         setattr(meta, METADATA_BLOCKS_ATTR, self._leasekit_blocks)
         setattr(meta, METADATA_TRACE_ATTR, self._leasekit_trace)
@@ -159,6 +160,7 @@ class LeaseKitPullScheduler(NixlPullConnectorScheduler):
         setattr(meta, METADATA_FINISHED_ATTR, self._leasekit_finished)
         setattr(meta, METADATA_BLOCK_IDS_ATTR, self._leasekit_block_ids)
         setattr(meta, METADATA_PLEDGES_ATTR, self._leasekit_pledges)
+        setattr(meta, METADATA_PLEDGE_CLOCK_ATTR, self._lk_clock_id)
         self._leasekit_blocks, self._leasekit_trace, self._leasekit_block_ids = {}, {}, {}
         self._leasekit_pledges = {}
         self._leasekit_tracked, self._leasekit_untracked, self._leasekit_protected = [], [], []

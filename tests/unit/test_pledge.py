@@ -66,8 +66,9 @@ def test_the_bound_takes_the_tightest_sample_and_grows_at_the_rate_factor():
     assert bound.upper_bound("p", 21.0) == pytest.approx(120.0 + RATE_FACTOR)
     assert bound.upper_bound("p", 15.0) == pytest.approx(110.0 + 5 * RATE_FACTOR)  # only the first applies
     assert bound.upper_bound("other", 21.0) is None
-    assert bound.covers(Pledge(121.5, "p"), 21.0) and not bound.covers(Pledge(121.0, "p"), 21.0)
-    assert not bound.covers(None, 21.0) and not bound.covers(Pledge(1e9, "q"), 21.0)
+    assert bound.covers(Pledge(121.5, "c"), 21.0, ["p"]) and not bound.covers(Pledge(121.0, "c"), 21.0, ["p"])
+    assert not bound.covers(None, 21.0, ["p"]) and not bound.covers(Pledge(1e9, "c"), 21.0, ["q"])
+    assert not bound.covers(Pledge(1e9, "c"), 21.0, []) and not bound.covers(Pledge(121.5, "c"), 21.0, ["p", "q"])
 
 
 @pytest.mark.parametrize("value", [None, [], [1], [1, "a", 3], ["1", "a"], [True, "a"], [math.inf, "a"], [1.5, "a"],
@@ -77,11 +78,11 @@ def test_a_malformed_pledge_is_ignored(value):
 
 
 def test_pledge_parsing_and_its_end_never_past_the_deadline():
-    assert encode_pledge(12.5000019, "27c774c54b19e146") == [12500001, "27c774c54b19e146"]
+    assert encode_pledge(12.5000019, "27c774c54b19e146") == [12500001, "27c774c54b19e146"]  # floor, not round
     pledge = parse_pledge(encode_pledge(12.5000019, "27c774c54b19e146"))
-    assert pledge.clock_id == "27c774c54b19e146" and 12.499999 < pledge.until_s < 12.5000019
+    assert pledge == Pledge((12500001 - 1) / 1e6, "27c774c54b19e146")  # one microsecond earlier
     assert pledge_until(100.0, 1.0, 130.0) == 101.0
-    assert pledge_until(100.0, 1.0, 100.5) == 100.5
+    assert pledge_until(100.0, 1.0, 100.5) == pytest.approx(100.0 + 0.5 / RATE_FACTOR)
 
 
 def test_pledge_setting_default_range_and_lint():
@@ -102,11 +103,19 @@ def test_ack_carries_p_clock_reading_rounded_up_and_clock_id():
     assert decode_notification(b"LK1:A:7:x:a").reason == "bad_protocol"
 
 
-def _gate_with_sample(clock="p", sent=10.0, remote=1000.0):
+def _gate_with_sample(clock="p", sent=10.0, remote=1000.0, agent="agent"):
     gate = ReadGate(timeout_s=5.0, max_remaining_s=6.0)
-    seq = gate.heartbeat_sent("agent", now=sent)
-    gate.ack("agent", seq, 0.0, [], remote_now_s=remote, clock_id=clock)
+    seq = gate.heartbeat_sent(agent, now=sent)
+    gate.ack(agent, seq, 0.0, [], remote_now_s=remote, clock_id=clock, now=sent + 0.01)
     return gate
+
+
+def test_samples_of_another_p_worker_never_prove_a_pledge_even_under_the_same_clock_id():
+    gate = _gate_with_sample(agent="other-engine-worker")  # same clock id "p", another process
+    gate.protect("d1", Pledge(1001.0, "p"))
+    gate.expect("d1", "agent", "p1")
+    gate.hold("d1", now=10.5)
+    assert gate.resolve(now=10.5) == [], "only the read's own P worker's samples count"
 
 
 def test_a_read_finished_inside_the_pledge_is_verified_with_no_wait():
@@ -198,6 +207,7 @@ def test_a_completion_after_the_pledge_releases_at_once():
 
 def test_acks_name_p_clock():
     w = Worker()
+    w._lk_clock_id = "c0ffee"  # whatever this machine's clock is
     w._lk_protocol_agents["d0"] = None
     sent = []
     w._lk_outbox = type("Outbox", (), {"send": lambda self, agent, msg: sent.append(msg)})()
@@ -205,7 +215,7 @@ def test_acks_name_p_clock():
     w.step({"d0": [b"HB:r,LK1~5"]})
     (msg,) = sent
     ack = decode_notification(msg)
-    assert ack.seq == 5 and ack.req_ids == ("r",) and ack.clock_id == w._lk_clock_id and ack.remote_now_s > 0
+    assert ack.seq == 5 and ack.req_ids == ("r",) and ack.clock_id == "c0ffee" and ack.remote_now_s > 0
 
 
 def test_a_completion_before_the_grant_reached_the_worker_is_held_until_the_grant_and_the_whole_pledge():
@@ -225,7 +235,7 @@ def test_a_completion_before_the_grant_reached_the_worker_is_held_until_the_gran
     w._lk_take_pledges(SimpleNamespace(reqs_to_send={"r": 0.0}, leasekit_pledges={"r": granted + 0.1},
                                        scheduler_clock=None))
     hold, _ = w._lk_deferred["r"]
-    assert hold >= granted + 0.3 and "r" not in w._reqs_to_send and "r" not in w._lk_early
+    assert hold >= granted + 0.3 * RATE_FACTOR and "r" not in w._reqs_to_send and "r" not in w._lk_early
     time.sleep(max(0.0, hold - time.perf_counter()) + 0.01)
     assert w.step({}) == {"r"}
 
@@ -250,4 +260,40 @@ def test_a_failure_recording_pledges_holds_the_step_s_grants_for_the_whole_pledg
     before = time.perf_counter()
     w._lk_take_pledges(SimpleNamespace(reqs_to_send={"r": 0.0}, leasekit_pledges={"r": "not a number"},
                                        scheduler_clock=1.0))
-    assert w._lk_pledge_holds["r"] >= before + 0.5
+    assert w._lk_pledge_holds["r"] >= before + 0.5 * RATE_FACTOR
+
+
+@pytest.mark.parametrize("until,same,low,high", [
+    (0.4, True, 0.4, 0.41),  # on the scheduler's clock: until - scheduler_clock from now
+    (0.4, False, 0.4 * RATE_FACTOR, 0.4 * RATE_FACTOR + 0.01),  # another clock: stretched by K
+    (math.inf, True, 0.5 * RATE_FACTOR, 0.5 * RATE_FACTOR + 0.01),  # not finite: the whole W * K
+    (1e9, True, 0.5 * RATE_FACTOR, 0.5 * RATE_FACTOR + 0.01),  # longer than W * K: capped
+])
+def test_pledge_holds_on_the_worker(until, same, low, high):
+    import time
+    from types import SimpleNamespace
+
+    w = Worker()
+    w._lk_pledge_s = 0.5
+    w._lk_clock_id = "c0ffee"
+    w.grant("r", time.perf_counter())
+    before = time.perf_counter()
+    w._lk_take_pledges(SimpleNamespace(reqs_to_send={"r": 0.0}, leasekit_pledges={"r": 10.0 + until},
+                                       scheduler_clock=10.0, leasekit_pledge_clock="c0ffee" if same else "other"))
+    assert before + low <= w._lk_pledge_holds["r"] <= time.perf_counter() + high
+
+
+def test_the_id_reaches_vllm_even_when_release_telemetry_fails():
+    w = Worker()
+    w._lk_deferred["r"] = (0.0, 0.0)
+    w._lk_stats = None  # pledge_hold() now raises
+    assert w.step({}) == {"r"}
+
+
+def test_a_parked_completion_whose_grant_never_comes_is_forgotten_after_the_max_hold():
+    w = Worker(max_hold_s=6.0)
+    w._reqs_to_process.add("r")
+    w.step({"d0": [b"r:1"]})
+    w._lk_early["r"] -= 7.0
+    w._lk_sweep_pledges()
+    assert w._lk_early == {} and "r" not in w.consumer_notification_counts_by_req
