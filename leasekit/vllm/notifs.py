@@ -276,10 +276,7 @@ class PNotificationHandling(PPledgeHolds):
             if req_id not in self._reqs_to_send:  # before its grant reached this worker: held (pholds.py)
                 self._lk_park_early(req_id, now)
                 return
-            self.consumer_notification_counts_by_req.pop(req_id, None)
-            self.expected_consumer_notifications_by_req.pop(req_id, None)
-            self._reqs_to_process.discard(req_id)
-            self._reqs_to_send.pop(req_id, None)
+            self._lk_take_out(req_id)
             if not self._lk_defer_release(req_id, now):  # else freed when its pledge ends
                 done.add(req_id)
                 self._lk.release(req_id, now=now)

@@ -86,16 +86,24 @@ class PPledgeHolds:
         for req_id, completed in list(self._lk_early.items()):
             if req_id not in self._reqs_to_process:  # aborted on P (reqs_not_processed): nothing to free
                 del self._lk_early[req_id]
-                self.consumer_notification_counts_by_req.pop(req_id, None)
-                self.expected_consumer_notifications_by_req.pop(req_id, None)
+                self._lk_forget_consumer_counts(req_id)
             elif req_id in self._reqs_to_send:  # its grant arrived: the completion takes effect now
                 del self._lk_early[req_id]
                 hold = max(self._lk_pledge_holds.pop(req_id, now), now + self._lk_pledge_s * RATE_FACTOR)
-                self.consumer_notification_counts_by_req.pop(req_id, None)
-                self.expected_consumer_notifications_by_req.pop(req_id, None)
-                self._reqs_to_process.discard(req_id)
-                self._reqs_to_send.pop(req_id, None)
+                self._lk_take_out(req_id)
                 self._lk_deferred[req_id] = (hold, completed)  # freed at the first step at or after hold
+
+    def _lk_forget_consumer_counts(self, req_id: str) -> None:
+        """Drop vLLM's per-request consumer notification counts of ``req_id``."""
+        self.consumer_notification_counts_by_req.pop(req_id, None)
+        self.expected_consumer_notifications_by_req.pop(req_id, None)
+
+    def _lk_take_out(self, req_id: str) -> None:
+        """Remove a released lease from vLLM's lease maps (counts, ``_reqs_to_process``, ``_reqs_to_send``):
+        no heartbeat extends it and the reaper never sees it; the caller reports it done now or defers it."""
+        self._lk_forget_consumer_counts(req_id)
+        self._reqs_to_process.discard(req_id)
+        self._reqs_to_send.pop(req_id, None)
 
     def _lk_defer_release(self, req_id: str, now: float) -> bool:
         """Whether ``req_id``'s release (its completion arrived at ``now``) waits for its pledge's end;
@@ -134,5 +142,4 @@ class PPledgeHolds:
             oldest = time.perf_counter() - self._lk_max_hold_s
             for req_id in [k for k, t in self._lk_early.items() if k not in self._reqs_to_process or t < oldest]:
                 del self._lk_early[req_id]
-                self.consumer_notification_counts_by_req.pop(req_id, None)
-                self.expected_consumer_notifications_by_req.pop(req_id, None)
+                self._lk_forget_consumer_counts(req_id)
