@@ -16,7 +16,8 @@ command -v "$PY" >/dev/null || fail "no $PY on PATH" "install Python >= 3.11, or
 
 # System tools the chaos faults use: libfaketime (wall-clock skew), nftables and iproute2 (network
 # faults in a namespace the run creates), unshare (time namespaces), gcc (libfaketime sleep shim),
-# prometheus + promtool (the real Prometheus of the metrics tests, `promtool test rules`).
+# prometheus + promtool (the real Prometheus of the metrics tests, `promtool test rules`), sshd
+# (openssh-server: the SSH server per host namespace that the separate-host tests control).
 missing=()
 command -v faketime >/dev/null || missing+=(faketime)
 command -v nft >/dev/null || missing+=(nftables)
@@ -24,6 +25,7 @@ command -v ip >/dev/null || missing+=(iproute2)
 command -v unshare >/dev/null || missing+=(util-linux)
 command -v gcc >/dev/null || missing+=(gcc)
 { command -v prometheus >/dev/null && command -v promtool >/dev/null; } || missing+=(prometheus)
+command -v /usr/sbin/sshd >/dev/null || missing+=(openssh-server)
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     say "installing system packages: ${missing[*]}"

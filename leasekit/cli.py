@@ -10,7 +10,8 @@ spans; ``leasekit lint --kv-transfer-config JSON`` checks a lease config; ``leas
 Exit codes of ``chaos run``: 0 every verdict is the scenario's expected one (kill-decode expects
 PASS on both targets), 1 an unexpected FAIL (or a PASS where a known defect was expected: the
 scenario file needs updating), 3 an unexpected UNKNOWN, 4 a harness error (a pair that would not
-start, a fault that could not be set up, a teardown that failed), 2 bad usage, 130 interrupted
+start, a fault that could not be set up, a teardown that failed), 2 bad usage (or a pair file its hosts
+refuse, found before anything starts), 130 interrupted
 by SIGINT, 143 by SIGTERM.
 """
 
@@ -69,22 +70,73 @@ def _cmd_chaos_list(args: argparse.Namespace) -> int:
     if args.catalog and not Path(args.catalog).is_dir():
         print(f"leasekit: --catalog {args.catalog} is not a directory", file=sys.stderr)
         return EXIT_USAGE
-    table = Table(title=f"scenarios in {args.catalog or catalog_dir()}")
-    for column in ("name", "incident", "L (s)", "targets", "expect", "description"):
-        table.add_column(column)
+    rows = []
     for name, path in list_scenarios(Path(args.catalog) if args.catalog else None).items():
         try:
             s = load_scenario(path)
-            expect = ", ".join(f"{t}: {s.expect.verdict_for(t)}" for t in s.topology.targets)
-            table.add_row(name, s.incident, str(s.lease.duration_s), ",".join(s.topology.targets), expect, s.description)
+            rows.append({"name": name, "incident": s.incident, "lease_duration_s": s.lease.duration_s,
+                         "targets": list(s.topology.targets), "expect": {t: s.expect.verdict_for(t) for t in s.topology.targets},
+                         "description": s.description, "path": str(path)})
         except ScenarioError as exc:
-            table.add_row(name, "?", "?", "?", "?", f"[red]invalid: {exc}[/]")
-    Console().print(table)
+            rows.append({"name": name, "path": str(path), "error": str(exc)})
+    if args.output == "json":
+        print(json.dumps(rows, indent=2))
+        return EXIT_OK
+    table = Table(title=f"scenarios in {args.catalog or catalog_dir()}")
+    for column in ("name", "incident", "L (s)", "targets"):  # never cut: names are what you type next
+        table.add_column(column, no_wrap=True)
+    table.add_column("expect")
+    table.add_column("description", overflow="fold")
+    for row in rows:
+        if "error" in row:
+            table.add_row(row["name"], "?", "?", "?", "?", f"[red]invalid: {row['error']}[/]")
+            continue
+        expect = ", ".join(f"{t}: {v}" for t, v in row["expect"].items())
+        table.add_row(row["name"], row["incident"], str(row["lease_duration_s"]), ",".join(row["targets"]), expect, row["description"])
+    console = Console()
+    if not console.is_terminal:  # a pipe or file: rich would assume 80 columns
+        console = Console(width=200)
+    console.print(table)
     return EXIT_OK
+
+
+def _load_pair(args: argparse.Namespace):
+    """``(PairFile or None, lease duration override or None)`` from ``--pair`` and ``--lease-duration``
+    (which wins over the file's ``lease_duration_s``).
+
+    Raises:
+        leasekit.cluster.pairfile.PairFileError: the file is missing or invalid.
+    """
+    if not args.pair:
+        return None, args.lease_duration
+    from leasekit.cluster.pairfile import load_pair_file
+
+    deployment = load_pair_file(args.pair)
+    duration = args.lease_duration if args.lease_duration is not None else deployment.lease_duration_s
+    if duration is not None and float(duration).is_integer():
+        duration = int(duration)
+    return deployment, duration
+
+
+def _check_hosts(deployment, runs) -> str | None:
+    """None when every server of ``deployment`` can start (this machine, or SSH support) and the
+    hosts pass preflight (model, GPUs, cores, tools the ``runs`` need); else the reason."""
+    from leasekit.chaos.plan import tools_needed
+    from leasekit.cluster.deploy import require_local
+    from leasekit.cluster.pairfile import PairFileError
+    from leasekit.cluster.preflight import preflight
+
+    try:
+        require_local(deployment)
+        preflight(deployment, tools=tools_needed(runs))
+    except PairFileError as exc:
+        return str(exc)
+    return None
 
 
 def _cmd_chaos_run(args: argparse.Namespace) -> int:
     from leasekit.chaos.suite import Suite, plan  # imports the cluster stack only when running
+    from leasekit.cluster.pairfile import PairFileError
 
     catalog = Path(args.catalog) if args.catalog else None
     if not args.names and not args.all:
@@ -101,9 +153,14 @@ def _cmd_chaos_run(args: argparse.Namespace) -> int:
         print(f"leasekit: --catalog {catalog} is not a directory", file=sys.stderr)
         return EXIT_USAGE
     try:
+        deployment, lease_duration = _load_pair(args)
+    except PairFileError as exc:
+        print(f"leasekit: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
         names = list(list_scenarios(catalog)) if args.all else args.names
         scenarios = [
-            find_scenario(name, catalog).with_overrides(lease_duration_s=args.lease_duration, tick_s=args.tick)
+            find_scenario(name, catalog).with_overrides(lease_duration_s=lease_duration, tick_s=args.tick)
             for name in names
         ]
     except ScenarioError as exc:
@@ -115,8 +172,10 @@ def _cmd_chaos_run(args: argparse.Namespace) -> int:
     if args.lease_duration is not None:
         for finding in lint_timing(scenarios[0].lease.timing()):
             print(f"leasekit: warning: --lease-duration {args.lease_duration:g}: {finding}", file=sys.stderr)
-        print("leasekit: warning: the catalog's fault times and durations are seconds written for L = 6 s; "
-              "with another L they may no longer mean what their descriptions say", file=sys.stderr)
+        t = scenarios[0].lease.timing()
+        print(f"leasekit: lease-relative scenario times resolved at L = {t.lease_duration_s:g} s (H = "
+              f"{t.heartbeat_interval_s:g} s, E = {t.extension_s:g} s); times written as plain numbers stay seconds",
+              file=sys.stderr)
     runs = plan(scenarios, args.target)
     if not runs:
         print(f"leasekit: none of the scenarios runs on target(s) {', '.join(args.target or [])}", file=sys.stderr)
@@ -124,11 +183,20 @@ def _cmd_chaos_run(args: argparse.Namespace) -> int:
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     label = "all" if args.all else "-".join(s.name for s in scenarios)[:80]
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / f"{stamp}-{label}"
+    if args.plan:  # every command the run would execute; nothing is executed or created
+        from leasekit.chaos.plan import build_plan
+
+        built = build_plan(runs, deployment, run_dir)
+        print(json.dumps(built.to_json(), indent=2) if args.output == "json" else built.text(), end="" if args.output != "json" else "\n")
+        return EXIT_OK
+    if deployment is not None and (problem := _check_hosts(deployment, runs)):
+        print(f"leasekit: {problem}", file=sys.stderr)
+        return EXIT_USAGE
     problem = _writable_dir(run_dir)
     if problem:
         print(f"leasekit: --run-dir {run_dir} is not a writable directory ({problem})", file=sys.stderr)
         return EXIT_USAGE
-    suite = Suite(runs, run_dir, start_timeout_s=args.start_timeout)
+    suite = Suite(runs, run_dir, start_timeout_s=args.start_timeout, deployment=deployment)
     report = suite.execute()
     if report["status"] == "interrupted":
         return EXIT_SIGTERM if suite.interrupt_signal == "SIGTERM" else EXIT_SIGINT
@@ -179,6 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     chaos_sub = chaos.add_subparsers(dest="chaos_command", required=True)
     p_list = chaos_sub.add_parser("list", help="list the scenario catalog")
     p_list.add_argument("--catalog", help="scenario directory (default: chaos/ or $LEASEKIT_CHAOS_DIR)")
+    p_list.add_argument("-o", "--output", choices=("table", "json"), default="table")
     p_list.set_defaults(func=_cmd_chaos_list)
     p_run = chaos_sub.add_parser(
         "run", help="run scenarios against real P/D pairs; exit 0 only when every verdict is the expected one")
@@ -192,6 +261,11 @@ def build_parser() -> argparse.ArgumentParser:
     p_run.add_argument("--catalog", help="scenario directory")
     p_run.add_argument("--start-timeout", type=_start_timeout_seconds, default=300.0,
                        help="seconds each server may take to start (default 300)")
+    p_run.add_argument("--pair", metavar="FILE", help="a pair file (pairs/*.toml): hosts, devices, model, TP, ports "
+                       "of the P/D pair to start (default: the CPU pair, pairs/cpu-local.toml)")
+    p_run.add_argument("--plan", action="store_true",
+                       help="print every command the run would execute, per host, and exit; nothing is executed")
+    p_run.add_argument("-o", "--output", choices=("text", "json"), default="text", help="format of --plan")
     p_run.set_defaults(func=_cmd_chaos_run)
 
     p_bounds = sub.add_parser("bounds", help="print the reclaim bound, safe stall and loss budget")

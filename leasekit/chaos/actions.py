@@ -8,7 +8,8 @@ import signal
 import time
 from dataclasses import dataclass, field
 
-from leasekit.chaos.faults import FaultError, FreezerStall, KillFault, NftFault, SigstopStall
+from leasekit.chaos.faults import FreezerStall, KillFault, SigstopStall
+from leasekit.chaos.faults.partition import PartitionInjector, PartitionSite, cuts_heartbeats, partition_rules
 from leasekit.chaos.schema import HeartbeatFault, KillFault as KillSpec, NoFault, PartitionFault, StallFault
 from leasekit.cluster.pair import PDPair
 from leasekit.lease.config import LeaseTiming
@@ -225,35 +226,45 @@ class FaultRun:
         self.windows.append((start, time.monotonic(), f"heartbeats: drop {fault.drop_next}"))
 
     def _partition(self, fault: PartitionFault) -> None:
-        """Put the rule in place and return: a partition overlaps the faults after it, and
-        :meth:`finish_partition` lifts it when its ``duration_s`` is over."""
-        netns = self.pair.netns
-        if netns is None:
-            raise FaultError("a partition needs the pair started in a network namespace (launch.network_namespace = true)")
-        server = self._server(fault)
-        port = server.side_channel_port if fault.path == "side_channel" else server.http_port
-        mode = "loss" if fault.action == "loss" else "block"
-        injector = NftFault(netns, port, mode=mode, action="drop" if mode == "loss" else fault.action,
-                            percent=int(fault.loss_percent))
+        """Put the partition's rules in place in ``fault.target``'s host and return: a partition overlaps
+        the faults after it, and :meth:`finish_partition` lifts it when its ``duration_s`` is over. One
+        that silences D's heartbeats marks the instant D went silent (the reclaim bound counts from it)."""
+        site = PartitionSite.of_pair(self.pair)  # FaultError without two hosts
+        rules = partition_rules(fault.path, fault.direction, fault.action, fault.loss_percent, fault.target, site)
+        what = f"{fault.path} {fault.direction} ({fault.action}{f' {fault.loss_percent:g} %' if fault.action == 'loss' else ''})"
+        injector = PartitionInjector(site.namespace(fault.target), rules, details={
+            "path": fault.path, "direction": fault.direction, "action": fault.action,
+            "loss_percent": fault.loss_percent, "target": fault.target})
         self.records.append(injector.record)
         self._cleanups.append(injector.cleanup)
         injector.inject()
-        start = injector.record["injected_monotonic_s"]
-        self._progress(f"fault: nftables {mode} {fault.action} on {fault.target}'s {fault.path} port {port} for {fault.duration_s:g} s")
-        self.effects.append(Effect(f"partition {fault.path} of {fault.target}", injector.handle is not None,
-                                   f"nft rule {injector.handle} on port {port} ({mode} {fault.action})"))
-        self._partitions.append((start + fault.duration_s, injector))
+        start, wall = injector.record["injected_monotonic_s"], injector.record["injected_wall_s"]
+        silences = cuts_heartbeats(fault.path, fault.direction, fault.action, fault.loss_percent)
+        if silences:
+            self._silenced(start, wall)
+        self._progress(f"fault: partition {what} in {fault.target}'s host for {fault.duration_s:g} s ({len(rules)} nftables rule(s))")
+        self.effects.append(Effect(f"partition {what}", True, f"nft rules {injector.record['handles']} in {injector.namespace}"))
+        self._partitions.append((start + fault.duration_s, injector, silences, what))
+
+    def partitions_end(self) -> float:
+        """When the last partition still in force is to be lifted (``time.monotonic()`` seconds;
+        ``-inf`` with none)."""
+        return max((item[0] for item in self._partitions), default=float("-inf"))
 
     def finish_partition(self) -> None:
         """Wait out every partition's duration and lift it (no-op without one); records how many
-        packets each rule matched (a partition that matched nothing did not take effect)."""
-        for end, injector in sorted(self._partitions, key=lambda item: item[0]):
+        packets its rules matched (a partition that matched nothing did not take effect), and for one
+        that silenced D's heartbeats, that P must show a heartbeat gap as long as it (less 10 %)."""
+        for end, injector, silences, what in sorted(self._partitions, key=lambda item: item[0]):
             time.sleep(max(0.0, end - time.monotonic()))
             injector.recover()
             packets = injector.record.get("packets_matched")
-            self.effects.append(Effect("partition matched traffic", bool(packets),
-                                       f"nftables counter: {packets} packet(s) dropped or rejected"))
-            self.windows.append((injector.record["injected_monotonic_s"], time.monotonic(), "partition"))
+            self.effects.append(Effect(f"partition {what} matched traffic", bool(packets),
+                                       f"nftables counters: {packets} packet(s) dropped or rejected"))
+            start, now = injector.record["injected_monotonic_s"], time.monotonic()
+            if silences:
+                self._expect_silence(start, now, injector.record["injected_wall_s"], 0.9 * (now - start), f"partition {what}")
+            self.windows.append((start, now, f"partition {what}"))
         self._partitions = []
 
     def cleanup(self) -> None:

@@ -55,8 +55,11 @@ class ScenarioExecution:
     # -- phases ----------------------------------------------------------------------------
     def _load(self) -> QueuedDecodeLoad:
         w = self.s.workload
+        cancel_after = w.cancel_after_s if w.cancel_after_s is not None else 0.5 * float(self.timing.lease_duration_s)
         load = QueuedDecodeLoad(self.pair, w.requests, w.prompt_tokens, w.decode_tokens, kind=w.kind,
-                                cancel_queued_fraction=w.cancel_queued_fraction, never_decode_fraction=w.never_decode_fraction)
+                                cancel_queued_fraction=w.cancel_queued_fraction, never_decode_fraction=w.never_decode_fraction,
+                                cancel_after_s=cancel_after, decode_slots=self.s.topology.decode_max_num_seqs,
+                                min_queue_wait_s=float(self.timing.lease_duration_s))
         self.load = load
         return load
 
@@ -80,9 +83,10 @@ class ScenarioExecution:
         load.start()
         if load.kind != "overload":
             time.sleep(max(0.0, load.queued_at + self.s.hold_decode_slot_s() - time.monotonic()))
-        load.release_slot()
+            load.release_slot()
         load.wait_decodes(self._decode_wait_s())
-        evidence = self.reader.wait_ended(load.request_ids, 30)
+        load.release_slot()  # overload: D's other slots are held until its queue is served
+        evidence = self.reader.wait_ended(load.request_ids, max(30.0, self._lease_wait_s()))
         check = check_steady_state(evidence.leases, [load.request_id(i) for i, x in load.intent.items() if x == "decode"],
                                    {i: d for i, d in load.decodes.items() if load.intent[i] == "decode"},
                                    self.timing, expiries_allowed=ss.expiries, all_served=ss.all_served)
@@ -116,18 +120,6 @@ class ScenarioExecution:
         took = abs(skew) >= 0.5 * abs(launch.decode_wall_offset_s) if launch.decode_wall_offset_s else abs(skew) > 1.0
         return [Effect(f"D wall clock {launch.decode_wall_offset_s:+g} s x{launch.decode_wall_rate:g}", took,
                        f"D's answers say 'created' {skew:+.1f} s from the host clock ({len(skews)} answers)")]
-
-    def abort_effects(self) -> list[Effect]:
-        """For an abort storm: the requests meant to be cancelled while queued on D really were
-        (their clients gave up without an answer), so a PASS covers aborted leases."""
-        load = self.load
-        if load is None or not any(x == "cancel" for x in load.intent.values()):
-            return []
-        cancelled = [i for i, x in load.intent.items() if x == "cancel"]
-        answered = [i for i in cancelled if i in load.decodes and load.decodes[i].ok]
-        gone = [i for i in cancelled if i in load.decodes and not load.decodes[i].ok]
-        return [Effect(f"{len(cancelled)} requests cancelled while queued on D", len(gone) == len(cancelled),
-                       f"{len(gone)} gave up without an answer, {len(answered)} were answered before the cancel")]
 
     def silence_effects(self, evidence: Evidence) -> list[Effect]:
         """Evidence on P's side that D really went quiet: for each interval the fault run expects
@@ -187,11 +179,15 @@ class ScenarioExecution:
                 load.start()
                 traffic.start()
                 run.run(load.queued_at)
+                hold = self.s.workload.hold_decode_slot_s
+                if hold is not None and load.queued_at + hold < run.partitions_end():
+                    self._release(load, run)  # D reads while a partition is still in force
                 run.finish_partition()
                 self._release(load, run)
                 if not run.d_killed:
                     load.wait_decodes(self._decode_wait_s())
         finally:
+            load.release_slot()  # never leave D's slots held for the next scenario
             traffic.stop()
             run.cleanup()
 
@@ -212,12 +208,16 @@ class ScenarioExecution:
         self.fault_run.finish_partition()
 
     def _decode_wait_s(self) -> float:
-        """How long to wait for the routed decodes to answer, seconds: 120, plus the workload's tokens at
-        a floor of 5 tokens/s (D serves one request at a time; a 2-core host busy starting spare
-        engines decodes at 5-15 tokens/s). A wait, not a bound: ``all_served`` asks only that nothing is
-        lost."""
+        """How long to wait for the routed decodes to answer, seconds: ``max(120, 4 L)``, plus the
+        workload's tokens at a floor of 5 tokens/s (an overload passes one request at a time; a
+        2-core host busy starting spare engines decodes at 5-15 tokens/s). A wait, not a bound:
+        ``all_served`` asks only that nothing is lost."""
         w = self.s.workload
-        return 120.0 + w.requests * w.decode_tokens / 5.0
+        return max(120.0, 4 * float(self.timing.lease_duration_s)) + w.requests * w.decode_tokens / 5.0
+
+    def _lease_wait_s(self) -> float:
+        """Seconds every lease may take to end once D let go: the bound ``max(L, E) + tick``, + 20."""
+        return max(float(self.timing.lease_duration_s), float(self.timing.extension_s)) + self.s.lease.tick_s + 20
 
     def _release(self, load: QueuedDecodeLoad, run: FaultRun) -> None:
         """Let D serve its queue: after ``hold_decode_slot_s`` if set; else once every fault is over
@@ -250,8 +250,8 @@ class ScenarioExecution:
                         self.result.notes.append(str(exc))
                         checks.append(CheckResult("bounded-reclaim", UNKNOWN, str(exc)))
                         continue
-                wait = max(float(self.timing.lease_duration_s), float(self.timing.extension_s)) + s.lease.tick_s + 20
-                checks.append(check_bounded_reclaim(evidence.leases, ids, self.timing, s.lease.tick_s, fault_at_s=fault_at, waited_s=wait))
+                checks.append(check_bounded_reclaim(evidence.leases, ids, self.timing, s.lease.tick_s, fault_at_s=fault_at,
+                                                    waited_s=self._lease_wait_s()))
             elif name == "no_expiry":
                 checks.append(check_no_expiry(evidence.leases, decode_ids, self.timing))
             elif name == "all_served":
@@ -337,13 +337,12 @@ class ScenarioExecution:
                 return self._decide()  # the hypothesis does not hold: the fault would prove nothing
             self.fault_phase()
             r.request_ids = self.load.request_ids if self.load else []
-            wait = max(float(self.timing.lease_duration_s), float(self.timing.extension_s)) + self.s.lease.tick_s + 20
-            evidence = self.reader.wait_ended(r.request_ids, wait)
+            evidence = self.reader.wait_ended(r.request_ids, self._lease_wait_s())
             r.evidence_source = evidence.source
             r.effects.extend(self.fault_run.effects if self.fault_run else [])
             r.effects.extend(self.wall_clock_effects())
             r.effects.extend(self.silence_effects(evidence))
-            r.effects.extend(self.abort_effects())
+            r.effects.extend(self.load.effects() if self.load else [])  # cancels done, slots held until released
             r.faults = self.fault_run.records if self.fault_run else []
             r.checks = self._checks(evidence)
             self._plot(evidence)

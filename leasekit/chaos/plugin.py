@@ -13,7 +13,9 @@ Fixtures:
         tests of your own, or the external pair.
 
 Options: ``--leasekit-catalog DIR``, ``--leasekit-target leasekit|stock`` (repeatable),
-``--leasekit-scenario NAME`` (repeatable), ``--leasekit-run-dir DIR``, ``--leasekit-lease-duration S``;
+``--leasekit-scenario NAME`` (repeatable), ``--leasekit-run-dir DIR``, ``--leasekit-lease-duration S``,
+``--leasekit-pair FILE`` (a pair file: the deployment the pairs are started as; checked on its hosts
+at configure time, before any server starts);
 and to use an already running pair instead of starting one: ``--leasekit-prefill-url``,
 ``--leasekit-decode-url``, ``--leasekit-pair-dir`` (the connectors' ``leasekit_run_dir``), with
 ``--leasekit-pair-target`` and ``--leasekit-lease-duration`` describing it (see
@@ -47,6 +49,38 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--leasekit-pair-target", choices=("leasekit", "stock"), default="leasekit",
                     help="which connector the running pair uses")
     group.addoption("--leasekit-prefill-log", help="the running P's log file (stock target evidence)")
+    group.addoption("--leasekit-pair", metavar="FILE", help="pair file (pairs/*.toml) describing the P/D deployment to start")
+
+
+_DEPLOYMENT = pytest.StashKey[object]()
+
+
+def deployment(config: pytest.Config):
+    """The ``--leasekit-pair`` file as a :class:`leasekit.cluster.pairfile.PairFile`, or None.
+
+    Raises:
+        pytest.UsageError: the file is missing or invalid.
+    """
+    if _DEPLOYMENT not in config.stash:
+        path = config.getoption("--leasekit-pair")
+        value = None
+        if path:
+            from leasekit.cluster.pairfile import PairFileError, load_pair_file
+
+            try:
+                value = load_pair_file(path)
+            except PairFileError as exc:
+                raise pytest.UsageError(f"--leasekit-pair: {exc}") from None
+        config.stash[_DEPLOYMENT] = value
+    return config.stash[_DEPLOYMENT]
+
+
+def _lease_duration(config: pytest.Config) -> float | None:
+    """``--leasekit-lease-duration``, else the pair file's ``lease_duration_s``, else None."""
+    duration = config.getoption("--leasekit-lease-duration")
+    if duration is None and deployment(config) is not None:
+        duration = deployment(config).lease_duration_s
+    return int(duration) if duration is not None and float(duration).is_integer() else duration
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -61,6 +95,20 @@ def pytest_configure(config: pytest.Config) -> None:
     duration = config.getoption("--leasekit-lease-duration")
     if duration is not None and not 0 < duration <= 3600:
         raise pytest.UsageError(f"--leasekit-lease-duration must satisfy 0 < seconds <= 3600, got {duration}")
+    if deployment(config) is not None:
+        if _external(config):
+            raise pytest.UsageError("--leasekit-pair starts its own pair; --leasekit-prefill-url/--leasekit-decode-url "
+                                    "use a running one: pass one or the other")
+        from leasekit.chaos.plan import tools_needed
+        from leasekit.cluster.deploy import require_local
+        from leasekit.cluster.pairfile import PairFileError
+        from leasekit.cluster.preflight import preflight
+
+        try:  # before any server starts
+            require_local(deployment(config))
+            preflight(deployment(config), tools=tools_needed(planned_cases(config)))
+        except PairFileError as exc:
+            raise pytest.UsageError(f"--leasekit-pair {config.getoption('--leasekit-pair')}: {exc}") from None
 
 
 def gpu_available() -> bool:
@@ -104,7 +152,7 @@ def planned_cases(config: pytest.Config) -> list:
     catalog = config.getoption("--leasekit-catalog")
     directory = Path(catalog) if catalog else None
     names = config.getoption("--leasekit-scenario") or list(list_scenarios(directory))
-    duration = config.getoption("--leasekit-lease-duration")
+    duration = _lease_duration(config)
     try:
         scenarios = [find_scenario(n, directory).with_overrides(lease_duration_s=duration) for n in names]
     except ScenarioError as exc:
@@ -171,7 +219,7 @@ def leasekit_suite(request):
         pool = ExternalPool(pair)
     from leasekit.chaos.suite import interrupts_as_keyboard_interrupt
 
-    suite = Suite(planned_cases(config), run_dir, pool=pool)  # the plan lets the pool warm up what comes next
+    suite = Suite(planned_cases(config), run_dir, pool=pool, deployment=deployment(config))  # the plan lets the pool warm up what comes next
     suite.external = pool is not None
     _SUITES.append(suite)
     try:
@@ -188,7 +236,7 @@ def leasekit_pair(leasekit_suite):
     the session, or the external pair when URLs were given."""
     from leasekit.cluster.pair import PairSpec
 
-    spec = PairSpec.pinned(lease_duration_s=6, fault_files=True)
+    spec = PairSpec.pinned(lease_duration_s=6, fault_files=True, deployment=leasekit_suite.deployment)
     if getattr(leasekit_suite, "external", False):
         spec = leasekit_suite.pool.pair.spec
     return leasekit_suite.pool.get(spec)

@@ -10,9 +10,10 @@ from leasekit.chaos.scenario import Scenario
 from leasekit.cluster.pair import PairSpec, PDPair
 
 
-def pair_spec(scenario: Scenario, target: str) -> PairSpec:
+def pair_spec(scenario: Scenario, target: str, deployment=None) -> PairSpec:
     """The pair ``scenario`` needs on ``target`` (``leasekit``: fault-control files on; ``stock``:
-    millisecond lease logging on, the stock connector's only evidence)."""
+    millisecond lease logging on, the stock connector's only evidence), deployed as ``deployment``
+    says (a :class:`leasekit.cluster.pairfile.PairFile`; None: the CPU default)."""
     launch = scenario.launch
     return PairSpec.pinned(
         prefill_connector=target,
@@ -30,6 +31,7 @@ def pair_spec(scenario: Scenario, target: str) -> PairSpec:
         lease_logging=target == "stock",
         warm_up=launch.warm_up,
         fail_closed=launch.fail_closed and target == "leasekit",
+        deployment=deployment,
     )
 
 
@@ -66,11 +68,12 @@ class PairPool:
     @staticmethod
     def _describe(spec: PairSpec) -> str:
         return (f"{spec.prefill_connector}, L={spec.lease_duration_s} s"
-                f"{', network namespace' if spec.network_namespace else ''}"
+                f"{', on two hosts' if spec.network_namespace else ''}"
                 f"{', D clock +%gs' % spec.decode_monotonic_offset_s if spec.decode_monotonic_offset_s else ''}"
                 f"{', P clock +%gs' % spec.prefill_monotonic_offset_s if spec.prefill_monotonic_offset_s else ''}"
                 f"{', D wall clock faked' if spec.decode_wall_offset_s or spec.decode_wall_rate != 1 else ''}"
-                f"{', cold (D has not met P)' if not spec.warm_up else ''}")
+                f"{', cold (D has not met P)' if not spec.warm_up else ''}"
+                f"{', P on %s, D on %s (pair file)' % (spec.deployment.prefill.device, spec.deployment.decode.device) if spec.deployment is not None else ''}")
 
     def get(self, spec: PairSpec) -> PDPair:
         """A started pair for ``spec`` (D replaced if a previous scenario killed it).

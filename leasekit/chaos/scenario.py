@@ -1,7 +1,10 @@
 """Declarative scenario files (TOML, one per scenario, in the ``chaos/`` catalog).
 
 The loader validates with pydantic and refuses unknown fields, naming the bad field, its value and
-the allowed range or values. Durations are seconds.
+the allowed range or values. Durations are seconds. Time fields may be lease-relative expressions
+(``"E + 4s"``, grammar in :mod:`leasekit.chaos.leasetime`): a loaded :class:`Scenario` holds them
+resolved to seconds at its ``lease.duration_s`` and keeps the text (:attr:`Scenario.time_expressions`),
+so :meth:`Scenario.with_overrides` resolves them again at an overridden ``L``.
 """
 
 from __future__ import annotations
@@ -10,8 +13,9 @@ import os
 import tomllib
 from pathlib import Path
 
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, PrivateAttr, ValidationError, model_validator
 
+from leasekit.chaos.leasetime import field_bounds, resolve
 from leasekit.chaos.schema import (
     ExpectSection,
     Fault,
@@ -48,6 +52,38 @@ class Scenario(Strict):
     steady_state: SteadyStateSection = SteadyStateSection()
     faults: list[Fault] = Field(min_length=1, max_length=3)
     expect: ExpectSection
+    _expressions: dict[str, str] = PrivateAttr(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _resolve_times(self) -> "Scenario":
+        """Replace every time/count expression by its value at ``lease.timing()``, keeping the text."""
+        timing = self.lease.timing()
+        expressions: dict[str, str] = {}
+
+        def resolved(section: BaseModel, path: str) -> BaseModel:
+            update = {}
+            for name, info in type(section).model_fields.items():
+                bounds, value = field_bounds(info.metadata), getattr(section, name)
+                if bounds is not None and isinstance(value, str):
+                    expressions[f"{path}.{name}"] = value
+                    update[name] = resolve(value, bounds, timing, f"{path}.{name}")
+            return section.model_copy(update=update) if update else section
+
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if isinstance(value, BaseModel):
+                object.__setattr__(self, name, resolved(value, name))
+            elif isinstance(value, list) and all(isinstance(item, BaseModel) for item in value):
+                object.__setattr__(self, name, [resolved(item, f"{name}.{i}") for i, item in enumerate(value)])
+        self._expressions = expressions
+        return self
+
+    @property
+    def time_expressions(self) -> dict[str, str]:
+        """``{dotted field path: expression as written}`` for every field written as a lease-relative
+        expression, e.g. ``{"faults.0.duration_s": "E + 4s"}`` (the field itself holds its value
+        in seconds, or the heartbeat count, at this scenario's ``L``)."""
+        return dict(self._expressions)
 
     @model_validator(mode="after")
     def _consistent(self) -> "Scenario":
@@ -55,9 +91,11 @@ class Scenario(Strict):
         if w.cancel_queued_fraction + w.never_decode_fraction > 1:
             raise ValueError("workload.cancel_queued_fraction + workload.never_decode_fraction must be <= 1, "
                              f"got {w.cancel_queued_fraction} + {w.never_decode_fraction}")
-        if w.kind in ("queued", "abort_storm") and self.topology.decode_max_num_seqs != 1:
-            raise ValueError(f"topology.decode_max_num_seqs must be 1 for workload.kind = {w.kind!r} "
-                             f"(requests must queue behind D's one running slot), got {self.topology.decode_max_num_seqs}")
+        if w.kind == "overload" and w.hold_decode_slot_s is not None:
+            raise ValueError("workload.hold_decode_slot_s: an overload holds no slot for a time (the routed requests "
+                             "keep D's last free slot busy): remove it, or use kind = 'queued'")
+        if w.kind != "abort_storm" and w.cancel_after_s is not None:
+            raise ValueError(f"workload.cancel_after_s applies to kind = 'abort_storm' only, got kind = {w.kind!r}")
         for i, fault in enumerate(self.faults):
             if isinstance(fault, HeartbeatFault) and fault.target != "decode":
                 raise ValueError(f"faults.{i}.target: heartbeat faults live in D's send path: 'decode' only")
@@ -76,12 +114,20 @@ class Scenario(Strict):
 
     def with_overrides(self, *, lease_duration_s: float | None = None, tick_s: float | None = None,
                        targets: list[str] | None = None) -> "Scenario":
-        """A copy with command-line overrides applied and re-validated.
+        """A copy with command-line overrides applied and re-validated; lease-relative expressions
+        are resolved again at the new ``L``.
 
         Raises:
-            ScenarioError: an override is out of range.
+            ScenarioError: an override is out of range, or an expression resolves out of its
+                field's range at the new ``L``.
         """
         data = self.model_dump()
+        for path, text in self._expressions.items():
+            *parents, leaf = path.split(".")
+            node = data
+            for part in parents:
+                node = node[int(part)] if isinstance(node, list) else node[part]
+            node[leaf] = text
         if lease_duration_s is not None:
             data["lease"]["duration_s"] = lease_duration_s
         if tick_s is not None:
@@ -148,6 +194,8 @@ def _format_error(exc: ValidationError, source: str) -> str:
     for err in exc.errors():
         field = ".".join(str(part) for part in err["loc"]) or "(top level)"
         message = err["msg"]
+        if err["type"] == "value_error" and err.get("ctx", {}).get("error") is not None:
+            message = str(err["ctx"]["error"])  # our own message, without pydantic's "Value error, "
         if err["type"] != "missing" and not isinstance(err.get("input"), (dict, list)):
             message += f" (got {err.get('input')!r})"
         allowed = _allowed_range(tuple(err["loc"]))

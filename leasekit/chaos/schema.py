@@ -1,7 +1,10 @@
 """The sections of a scenario file (TOML). All durations are seconds; every field is validated
 strictly (no silent coercion) and unknown fields are refused.
 
-Fault times are relative to the moment every workload request sits in D's queue ("queued").
+Fault times are relative to the moment every workload request sits in D's queue ("queued"). Time
+fields (typed with :func:`leasekit.chaos.leasetime.lease_seconds`) take a number of seconds or a
+lease-relative expression such as ``"E + 4s"``; the scenario resolves expressions against its lease
+timing (:meth:`leasekit.chaos.scenario.Scenario`), so after loading every time field is a float.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from leasekit.chaos.leasetime import heartbeat_count, lease_seconds
 from leasekit.lease.config import LeaseTiming
 
 TARGETS = ("leasekit", "stock")
@@ -45,7 +49,8 @@ class TopologySection(Strict):
 
 
 class LaunchSection(Strict):
-    """``[launch]``: conditions set when the servers start (clock skew, network namespace)."""
+    """``[launch]``: conditions set when the servers start (clock skew; ``network_namespace``: P and D
+    on two hosts, :mod:`leasekit.cluster.testbed`, which partition faults need)."""
 
     prefill_monotonic_offset_s: float = Field(0, ge=0, le=10**7)
     decode_monotonic_offset_s: float = Field(0, ge=0, le=10**7)
@@ -65,16 +70,19 @@ class WorkloadSection(Strict):
     ``overload`` (N requests each decoding ``decode_tokens``, queued behind each other), or
     ``abort_storm`` (N requests, a fraction cancelled while queued on D, a fraction never sent to D).
 
-    ``hold_decode_slot_s``: for ``queued``, how long after "queued" D's slot stays held before D may
-    serve the queue; None means ``1.5 * L`` in the steady state and "until the fault is over plus the
-    bound" in the fault run. ``prefill_rps``: extra prefill-only traffic on P during the fault run.
+    ``hold_decode_slot_s``: for ``queued``/``abort_storm``, how long after "queued" D's running
+    slots stay held before D may serve the queue; None means ``1.5 * L`` in the steady state and
+    "until the fault is over plus the bound" in the fault run. ``cancel_after_s``: for
+    ``abort_storm``, how long after it was routed a cancelled request's client gives up (None:
+    ``0.5 * L``). ``prefill_rps``: extra prefill-only traffic on P during the fault run.
     """
 
     kind: Literal["queued", "overload", "abort_storm"] = "queued"
     requests: int = Field(4, ge=1, le=256)
     prompt_tokens: int = Field(48, ge=1, le=2048)
     decode_tokens: int = Field(4, ge=1, le=1024)
-    hold_decode_slot_s: float | None = Field(None, gt=0, le=3600)
+    hold_decode_slot_s: lease_seconds(gt=0, le=3600, optional=True) = None
+    cancel_after_s: lease_seconds(gt=0, le=600, optional=True) = None
     prefill_rps: float = Field(0, ge=0, le=50)
     cancel_queued_fraction: float = Field(0.0, ge=0, le=1)
     never_decode_fraction: float = Field(0.0, ge=0, le=1)
@@ -90,7 +98,7 @@ class SteadyStateSection(Strict):
 
 class _FaultBase(Strict):
     target: Literal["decode", "prefill"] = "decode"
-    after_s: float | None = Field(None, ge=0, le=3600)
+    after_s: lease_seconds(ge=0, le=3600, optional=True) = None
 
 
 class KillFault(_FaultBase):
@@ -100,7 +108,7 @@ class KillFault(_FaultBase):
     kind: Literal["kill"]
     signal: Literal["SIGKILL", "SIGTERM"] = "SIGKILL"
     scope: Literal["group", "engine_core"] = "group"
-    restart_after_s: float | None = Field(None, ge=0, le=3600)
+    restart_after_s: lease_seconds(ge=0, le=3600, optional=True) = None
 
 
 class StallFault(_FaultBase):
@@ -109,34 +117,53 @@ class StallFault(_FaultBase):
 
     kind: Literal["stall"]
     method: Literal["sigstop", "freezer", "forward_pass"] = "sigstop"
-    duration_s: float = Field(gt=0, le=600)
+    duration_s: lease_seconds(gt=0, le=600)
 
 
 class HeartbeatFault(_FaultBase):
     """Heartbeat faults in D's send path (LeaseKitConnector only): drop the next ``drop_next``
     batches in a row, drop a ``drop_fraction``, delay each by ``delay_s``, send ``duplicate`` copies.
-    ``delay_next_s`` delays the first batch after the drops (pushes a tie past the deadline)."""
+    ``delay_next_s`` delays the first batch after the drops (pushes a tie past the deadline).
+    ``drop_next`` may be ``"budget"``/``"budget + 1"``: the loss budget at the scenario's ``L``."""
 
     kind: Literal["heartbeats"]
-    drop_next: int = Field(0, ge=0, le=1000)
+    drop_next: heartbeat_count(ge=0, le=1000) = 0
     drop_fraction: float = Field(0, ge=0, le=1)
-    delay_s: float = Field(0, ge=0, le=600)
+    delay_s: lease_seconds(ge=0, le=600) = 0.0
     duplicate: int = Field(1, ge=1, le=100)
-    delay_next_s: float = Field(0, ge=0, le=600)
-    duration_s: float | None = Field(None, gt=0, le=600)
+    delay_next_s: lease_seconds(ge=0, le=600) = 0.0
+    duration_s: lease_seconds(gt=0, le=600, optional=True) = None
 
 
 class PartitionFault(_FaultBase):
-    """nftables in the run's network namespace: ``drop``/``reject`` or random ``loss`` of TCP to the
-    NIXL side channel or HTTP port of ``target``, for ``duration_s``. ``first_handshake``: applied
-    before D first meets P (the pair is started without warm-up)."""
+    """A partition between P's host and D's host (the pair runs on two hosts: ``launch.network_namespace``),
+    for ``duration_s``: nftables rules inside ``target``'s host (:mod:`leasekit.chaos.faults.partition`).
+
+    ``path``: ``all`` (every packet between the hosts: NIXL/UCX reads and notifications, the side
+    channel, LeaseKit's verdict channel), ``nixl`` (all but the NIXL side channels' TCP), ``side_channel``
+    (TCP to/from ``target``'s side-channel port), ``http`` (TCP to/from ``target``'s HTTP port: the router's
+    requests). ``direction``: ``both``, or one way, ``decode_to_prefill`` / ``prefill_to_decode``: what that
+    side sends as data is lost while bare TCP acknowledgements still pass, so the other direction keeps
+    working (``http``: ``both`` only). ``action``: ``drop``, ``reject`` (TCP reset / ICMP) or random
+    ``loss`` of ``loss_percent`` % (a whole number). ``first_handshake``: applied before D first meets P
+    (the pair is started without warm-up)."""
 
     kind: Literal["partition"]
-    path: Literal["side_channel", "http"] = "side_channel"
+    path: Literal["all", "nixl", "side_channel", "http"] = "side_channel"
+    direction: Literal["both", "decode_to_prefill", "prefill_to_decode"] = "both"
     action: Literal["drop", "reject", "loss"] = "drop"
     loss_percent: float = Field(100, ge=0, le=100)
-    duration_s: float = Field(gt=0, le=600)
+    duration_s: lease_seconds(gt=0, le=600)
     first_handshake: bool = False
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "PartitionFault":
+        if self.path == "http" and self.direction != "both":
+            raise ValueError(f"direction must be 'both' for path = 'http' (HTTP runs between the router and a server, "
+                             f"not between P and D), got {self.direction!r}")
+        if not float(self.loss_percent).is_integer():
+            raise ValueError(f"loss_percent must be a whole number of percent (nftables numgen), got {self.loss_percent!r}")
+        return self
 
 
 class NoFault(Strict):

@@ -99,11 +99,13 @@ def plan(scenarios: list[Scenario], targets: list[str] | None = None) -> list[tu
 
 
 class Suite:
-    """Runs planned scenarios; ``execute`` returns the report dict."""
+    """Runs planned scenarios; ``execute`` returns the report dict. ``deployment``: the pair file's
+    servers (a :class:`leasekit.cluster.pairfile.PairFile`; None: the CPU default)."""
 
     def __init__(self, runs: list[tuple[Scenario, str]], run_dir: str | Path, *, start_timeout_s: float = 300.0,
-                 console: Console | None = None, pool=None):
+                 console: Console | None = None, pool=None, deployment=None):
         self.runs = runs
+        self.deployment = deployment
         self.run_dir = Path(run_dir).resolve()
         if console is None:
             console = Console(stderr=True, log_path=False)
@@ -121,6 +123,10 @@ class Suite:
 
     def _say(self, message: str) -> None:
         self.console.log(message)
+
+    def pair_spec(self, scenario: Scenario, target: str):
+        """The :class:`leasekit.cluster.pair.PairSpec` of ``scenario`` on ``target`` in this suite's deployment."""
+        return pair_spec(scenario, target, self.deployment)
 
     def run_one(self, scenario: Scenario, target: str) -> ScenarioResult:
         """Run one scenario on one target on a pair from the pool (started or reused); the result
@@ -148,7 +154,7 @@ class Suite:
         out.mkdir(parents=True, exist_ok=True)
         if not _needs_pair(scenario, target):  # the fault cannot be injected here: UNKNOWN, no pair needed
             return ScenarioExecution(scenario, target, None, out, say=self._say).execute()  # type: ignore[arg-type]
-        pair = self.pool.get(pair_spec(scenario, target))
+        pair = self.pool.get(self.pair_spec(scenario, target))
         self._prefetch_after(scenario, target)
         execution = ScenarioExecution(scenario, target, pair, out, say=self._say, steady_cache=self._steady_cache)
         self._current = execution  # kept on KeyboardInterrupt: abort() and finish() need it
@@ -177,11 +183,11 @@ class Suite:
         names = [(s.name, t) for s, t in self.runs]
         if (scenario.name, target) not in names:
             return
-        key = pair_spec(scenario, target).launch_key()
+        key = self.pair_spec(scenario, target).launch_key()
         later = [(s, t) for s, t in self.runs[names.index((scenario.name, target)):] if _needs_pair(s, t)]
         group, upcoming = [], []
         for s, t in later:
-            spec = pair_spec(s, t)
+            spec = self.pair_spec(s, t)
             if not upcoming and spec.launch_key() == key and (spec.warm_up or not group):
                 group.append(s)
             elif spec.launch_key() not in [u.launch_key() for u in upcoming]:

@@ -1,36 +1,109 @@
 """The generator: P->D requests held in D's queue, an overload queue, or an abort storm.
 
-D runs with one running slot (``--max-num-seqs 1``). For ``queued`` and ``abort_storm`` a streamed
-local generation holds that slot, so routed requests wait in D's scheduler queue, where D tracks
-them from ``on_new_request`` and heartbeats their leases on P (vllm 0.32.0 ``base_scheduler.py``).
-For ``overload`` the routed requests themselves keep D busy. Readiness is read from D's real
-``vllm:num_requests_running`` / ``vllm:num_requests_waiting`` gauges, not assumed from sleeps.
+D runs with ``S`` running slots (``--max-num-seqs S``: 1 on the CPU pair, up to 256 on a GPU D).
+Long local generations fill the slots first, so the routed requests wait in D's scheduler queue,
+where D tracks them from ``on_new_request`` and heartbeats their leases on P (vllm 0.32.0
+``base_scheduler.py``): for ``queued`` and ``abort_storm`` all ``S`` slots are held until the
+executor releases them; for ``overload`` ``S - 1`` are held, so the routed requests queue behind
+each other on D's one free slot, as on a one-slot D. The slots are held by one streamed completion
+with ``n = S`` samples: vLLM fans ``n`` out into ``n`` scheduler requests, each taking a running
+slot (``vllm/v1/engine/async_llm.py``, ``ParentRequest``), over one HTTP connection whatever ``S``.
+Readiness is read from D's real ``vllm:num_requests_running`` / ``vllm:num_requests_waiting``
+gauges, not assumed from sleeps.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from dataclasses import dataclass, field
 
 import httpx
 
+from leasekit.chaos.actions import Effect
 from leasekit.cluster.pair import PDPair
 from leasekit.cluster.router import DecodeResult, PrefillResult
+from leasekit.cluster.server import SERVED_MODEL_NAME
+
+HOLDER_MAX_TOKENS = 4000
+"""Tokens each slot-holding sample may generate (with a 16-token prompt, within the CPU pair's
+``--max-model-len 4096``). A sample that generates them all before it is released frees its slot
+early: :attr:`SlotHolder.ran_out` says so."""
 
 
 class WorkloadError(RuntimeError):
-    """The workload could not reach its starting state (slot not held, requests not queued)."""
+    """The workload could not reach its starting state (slots not held, requests not queued)."""
+
+
+@dataclass
+class SlotHolder:
+    """Holds ``slots`` of D's running slots with one streamed completion of ``n = slots`` samples
+    (``ignore_eos``, ``max_tokens`` each; sampled at temperature 1, as vLLM refuses ``n > 1`` with
+    greedy sampling) until ``stop`` is set, then disconnects (vLLM aborts every sample).
+
+    Filled as it runs: ``status`` (D's HTTP status), ``error``, ``finished`` (indices of the samples
+    that generated all their tokens), ``ended_at`` (``time.monotonic()`` seconds when the stream ended).
+    """
+
+    decode_url: str
+    slots: int
+    prompt: list[int]
+    stop: threading.Event
+    max_tokens: int = HOLDER_MAX_TOKENS
+    status: int | None = None
+    error: str | None = None
+    finished: set[int] = field(default_factory=set)
+    ended_at: float | None = None
+    stopped: bool = False
+
+    def run(self) -> None:
+        """Stream until ``stop`` (run it in a thread); never raises."""
+        body = {"model": SERVED_MODEL_NAME, "prompt": self.prompt, "max_tokens": self.max_tokens, "n": self.slots,
+                "temperature": 1.0, "ignore_eos": True, "stream": True}
+        try:
+            with httpx.Client(timeout=httpx.Timeout(10.0, read=None)) as client:
+                with client.stream("POST", f"{self.decode_url}/v1/completions", json=body) as response:
+                    self.status = response.status_code
+                    if response.status_code != 200:
+                        self.error = response.read().decode(errors="replace")[:300]
+                        return
+                    for line in response.iter_lines():
+                        if self.stop.is_set():
+                            self.stopped = True
+                            break
+                        self._count_finished(line)
+        except httpx.HTTPError as exc:
+            self.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self.ended_at = time.monotonic()
+
+    def _count_finished(self, line: str) -> None:
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            return
+        try:
+            chunk = json.loads(line[len("data: "):])
+        except ValueError:
+            return
+        self.finished.update(choice.get("index", 0) for choice in chunk.get("choices") or [] if choice.get("finish_reason"))
+
+    @property
+    def ran_out(self) -> bool:
+        """Every sample generated all its tokens before ``stop``: D's slots freed themselves early."""
+        return not self.stopped and len(self.finished) >= self.slots
 
 
 @dataclass
 class QueuedDecodeLoad:
-    """Route ``requests`` requests to D, queued behind a held slot (``queued``/``abort_storm``) or
-    behind each other (``overload``).
+    """Route ``requests`` requests to D, queued behind D's ``decode_slots`` held running slots
+    (``queued``/``abort_storm``) or behind each other on D's one free slot (``overload``).
 
-    Filled as it runs (times ``time.monotonic()`` seconds of this process): ``prefills`` and
-    ``prompts`` (token ids; one per request, in order), ``decodes`` (index -> result), ``queued_at``, ``intent`` (index ->
-    ``decode`` | ``cancel`` | ``never``: what the workload meant to happen to each request).
+    ``decode_slots``: D's ``--max-num-seqs`` (1..256). ``cancel_after_s``: seconds after routing a
+    cancelled request's client gives up. ``min_queue_wait_s``: for ``overload``, how long (seconds,
+    the scenario's ``L``) some request must have waited for its answer for the overload to count.
+    Filled as it runs (times ``time.monotonic()`` seconds of this process): ``prefills`` and ``prompts`` (token ids; one per request, in order), ``decodes``
+    (index -> result), ``queued_at``, ``intent`` (index -> ``decode`` | ``cancel`` | ``never``: what
+    the workload meant to happen to each request), ``holder`` (the slot holder, None if no slot is held).
     """
 
     pair: PDPair
@@ -41,6 +114,9 @@ class QueuedDecodeLoad:
     cancel_queued_fraction: float = 0.0
     never_decode_fraction: float = 0.0
     cancel_after_s: float = 3.0
+    decode_slots: int = 1
+    min_queue_wait_s: float | None = None
+    holder: SlotHolder | None = None
     prefills: list[PrefillResult] = field(default_factory=list)
     prompts: list[list[int]] = field(default_factory=list)
     decodes: dict[int, DecodeResult] = field(default_factory=dict)
@@ -74,22 +150,33 @@ class QueuedDecodeLoad:
         for index in range(self.requests):
             self.intent[index] = "never" if index < never else "cancel" if index >= self.requests - cancel else "decode"
 
+    @property
+    def held_slots(self) -> int:
+        """How many of D's running slots long generations hold: all of them, or all but one for
+        ``overload`` (the routed requests then pass one at a time)."""
+        return self.decode_slots - 1 if self.kind == "overload" else self.decode_slots
+
     def start(self, timeout_s: float = 60.0) -> None:
         """Reach the queued state; returns once D reports the routed requests waiting.
 
         Raises:
-            WorkloadError: the slot was not taken, a prefill failed, or the requests never queued.
+            WorkloadError: the slots were not taken, a prefill failed, or the requests never queued.
         """
         router = self.pair.router
         assert router is not None, "pair not started"
+        if not 1 <= self.decode_slots <= 256:
+            raise WorkloadError(f"decode_slots must be D's --max-num-seqs, 1..256, got {self.decode_slots}")
         self._plan()
-        if self.kind != "overload":
-            holder = threading.Thread(target=router.hold_decode_slot, args=(self.pair.prompt(16), self._stop),
-                                      name="hold-decode-slot", daemon=True)
-            holder.start()
-            self._threads.append(holder)
-            if not self._wait_gauge("vllm:num_requests_running", 1, timeout_s):
-                raise WorkloadError(f"D never reported a running request within {timeout_s:.0f} s (slot not held)")
+        if self.held_slots > 0:
+            self.holder = SlotHolder(router.decode_url, self.held_slots, self.pair.prompt(16), self._stop)
+            thread = threading.Thread(target=self.holder.run, name="hold-decode-slots", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+            if not self._wait_gauge("vllm:num_requests_running", self.held_slots, timeout_s):
+                raise WorkloadError(
+                    f"D never reported {self.held_slots} running request(s) within {timeout_s:.0f} s (slots not held; "
+                    f"running={self._gauge('vllm:num_requests_running')}, holder HTTP {self.holder.status} "
+                    f"{self.holder.error or ''}); is D's --max-num-seqs topology.decode_max_num_seqs = {self.decode_slots}?")
             self.slot_held_at = time.monotonic()
         for index in range(self.requests):
             prompt = self.pair.prompt(self.prompt_tokens)
@@ -109,7 +196,8 @@ class QueuedDecodeLoad:
         if waiting > 0 and not self._wait_gauge("vllm:num_requests_waiting", waiting, timeout_s):
             raise WorkloadError(
                 f"D never reported {waiting} waiting requests within {timeout_s:.0f} s "
-                f"(waiting={self._gauge('vllm:num_requests_waiting')})"
+                f"(waiting={self._gauge('vllm:num_requests_waiting')}, running={self._gauge('vllm:num_requests_running')} "
+                f"with {self.held_slots} held); does D run --max-num-seqs = topology.decode_max_num_seqs = {self.decode_slots}?"
             )
         self.queued_at = time.monotonic()
 
@@ -121,8 +209,41 @@ class QueuedDecodeLoad:
             self.decodes[index] = result
 
     def release_slot(self) -> None:
-        """Stop the long generation (client disconnect; vLLM aborts it) so D serves the queue."""
+        """Stop the long generations (client disconnect; vLLM aborts them) so D serves the queue with
+        all its slots. Idempotent."""
         self._stop.set()
+
+    @property
+    def slots_ran_out(self) -> bool:
+        """The held slots freed themselves (every holding sample generated all its tokens) before
+        :meth:`release_slot`: D served the queue earlier than the scenario meant."""
+        return self.holder is not None and self.holder.ran_out
+
+    def effects(self) -> list[Effect]:
+        """Evidence that the workload did what the scenario meant (a PASS must not come from a queue
+        that was never built): the requests meant to be cancelled while queued on D were (their
+        clients gave up without an answer), an overload kept a request waiting longer than
+        ``min_queue_wait_s`` (a fast D may serve the whole queue within L), and the generations holding D's running slots held them
+        until the run released them (had they generated all their tokens first, D would have served
+        its queue early, whatever the fault)."""
+        effects = []
+        cancelled = [i for i, x in self.intent.items() if x == "cancel"]
+        if cancelled:
+            answered = [i for i in cancelled if i in self.decodes and self.decodes[i].ok]
+            gone = [i for i in cancelled if i in self.decodes and not self.decodes[i].ok]
+            effects.append(Effect(f"{len(cancelled)} requests cancelled while queued on D", len(gone) == len(cancelled),
+                                  f"{len(gone)} gave up without an answer, {len(answered)} were answered before the cancel"))
+        answered = [d.latency_s for d in self.decodes.values() if d.ok]
+        if self.kind == "overload" and self.min_queue_wait_s is not None and answered:
+            effects.append(Effect(f"a request waited longer than {self.min_queue_wait_s:g} s on D", max(answered) > self.min_queue_wait_s,
+                                  f"the slowest of {len(answered)} answers came {max(answered):.1f} s after its request was sent to D"))
+        h = self.holder
+        if h is not None:
+            how = (f"all {h.slots} sample(s) generated their {h.max_tokens} tokens before the release" if h.ran_out
+                   else f"it ended with {h.error}" if h.error else "held until the run released them")
+            effects.append(Effect(f"D's {h.slots} running slot(s) held until released", not self.slots_ran_out,
+                                  f"one streamed completion with n = {h.slots} held them: {how}"))
+        return effects
 
     def wait_decodes(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` seconds for every routed decode to return (any outcome)."""

@@ -10,16 +10,23 @@ import dataclasses
 import logging
 import os
 import random
+import sys
 import threading
 import time
 import weakref
 from pathlib import Path
 
 from leasekit.cluster.model import VOCAB_SIZE, write_tiny_llama
+from leasekit.cluster.deploy import merged_server_kwargs, require_local
+from leasekit.cluster.pairfile import PairFile
 from leasekit.cluster.router import Router, RoutedResult
 from leasekit.cluster.server import ServerSpec, ServerStartTimeout, VllmServer
+from leasekit.cluster.testbed import PlannedTestbed, Testbed
 
 logger = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode")
+"""The testbed hosts of a pair started with ``network_namespace``: P runs on ``prefill``, D on ``decode``."""
 
 _LIVE: "weakref.WeakSet[VllmServer]" = weakref.WeakSet()
 _LIVE_LOCK = threading.Lock()
@@ -59,8 +66,9 @@ class WarmUpError(RuntimeError):
 class PairSpec:
     """A P/D pair to start: connectors, lease duration (s), D's running-slot limit, cores, and
     launch-time conditions (seconds): a monotonic-clock offset per side (a Linux time namespace),
-    a wall-clock offset and rate per side (libfaketime, monotonic left real), a network namespace
-    around both servers (for nftables faults), connector fault-control files, and millisecond lease
+    a wall-clock offset and rate per side (libfaketime, monotonic left real), two hosts (``network_namespace``:
+    P and D each in its own network namespace of a :class:`leasekit.cluster.testbed.Testbed`, so NIXL/UCX
+    between them crosses a bridge and nftables partitions can cut it), connector fault-control files, and millisecond lease
     logging (the evidence for stock connectors, which write no spans), and vLLM's own request tracing
     (``--otlp-traces-endpoint``, OTLP over HTTP/protobuf; vLLM keeps an incoming ``traceparent`` only
     when tracing is on, ``vllm/v1/engine/async_llm.py``), and LeaseKit P's max hold in seconds
@@ -69,7 +77,9 @@ class PairSpec:
     with an error; vLLM's own default is ``fail``), and P's KV cache in bytes (None: the server default,
     64 MiB; a small one makes freed blocks reused soon), and whether LeaseKit P turns on the fail-closed
     protocol (``leasekit_fail_closed``, the connector's default; False sets it false, docs/fail-closed.md),
-    and LeaseKit P's grant pledge in seconds (``leasekit_pledge_s``; None keeps the connector's default)."""
+    and LeaseKit P's grant pledge in seconds (``leasekit_pledge_s``; None keeps the connector's default),
+    and the deployment (a pair file, :mod:`leasekit.cluster.pairfile`: hosts, devices, model, TP, ports;
+    None is the CPU default, which an empty pair file describes too)."""
 
     prefill_connector: str = "leasekit"
     decode_connector: str = "leasekit"
@@ -93,10 +103,12 @@ class PairSpec:
     prefill_kv_cache_bytes: int | None = None
     fail_closed: bool = True
     prefill_pledge_s: float | None = None
+    deployment: PairFile | None = None
 
     def launch_key(self) -> tuple:
-        """Everything that needs a fresh pair when it changes."""
-        return dataclasses.astuple(self)
+        """Everything that needs a fresh pair when it changes (hashable: the deployment as its JSON)."""
+        return tuple(self.deployment.model_dump_json() if f.name == "deployment" and self.deployment is not None
+                     else getattr(self, f.name) for f in dataclasses.fields(self))
 
     @classmethod
     def pinned(cls, **kwargs) -> "PairSpec":
@@ -111,27 +123,33 @@ class PDPair:
     """Start, warm up, use and tear down a P/D pair.
 
     Args:
-        spec: what to start.
+        spec: what to start (``spec.deployment``: the pair file's servers; one on another machine without
+            SSH host support raises :class:`leasekit.cluster.pairfile.PairFileError`).
         run_dir: where logs, the model config and span files go (created).
         start_timeout_s: how long each server may take to become healthy.
     """
 
+    _dry, _dry_testbed = False, None  # a pair made by planned(): nothing created, written or started
+
     def __init__(self, spec: PairSpec, run_dir: str | Path, *, start_timeout_s: float = 300.0):
         self.spec = spec
+        self.deployment = spec.deployment
+        if self.deployment is not None and not self._dry:
+            require_local(self.deployment)
         self.run_dir = Path(run_dir).resolve()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.model_dir = write_tiny_llama(self.run_dir / "model")
+        if not self._dry:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.model_dir = self.run_dir / "model" if self._dry else write_tiny_llama(self.run_dir / "model")
         self.start_timeout_s = start_timeout_s
-        self.netns = None
-        if spec.network_namespace:
-            from leasekit.chaos.faults.netns import NetworkNamespace
-
-            self.netns = NetworkNamespace()
+        self.testbed: Testbed | PlannedTestbed | None = None
+        if spec.network_namespace:  # P and D on two hosts: a network namespace each, on one bridge
+            self.testbed = (self._dry_testbed or PlannedTestbed(ROLES)) if self._dry else Testbed(ROLES)
         self.logging_config: Path | None = None
         if spec.lease_logging:
             from leasekit.telemetry.vllm_log import write_logging_config
 
-            self.logging_config = write_logging_config(self.run_dir / "vllm-logging.json")
+            path = self.run_dir / "vllm-logging.json"
+            self.logging_config = path if self._dry else write_logging_config(path)
         self.prefill = self._server("prefill", "prefill", spec.prefill_connector, spec.prefill_cpu, max_num_seqs=8)
         self.decode = self._server("decode", "decode", spec.decode_connector, spec.decode_cpu, max_num_seqs=spec.decode_max_num_seqs)
         self.router: Router | None = None
@@ -139,27 +157,41 @@ class PDPair:
         self.startup_s: dict[str, float] = {}
         self.start_retries: list[str] = []
 
+    @classmethod
+    def planned(cls, spec: PairSpec, run_dir: str | Path, *, testbed=None) -> "PDPair":
+        """The pair a run would build, for ``leasekit chaos run --plan``: its servers' ``command()`` and
+        ``launch_environment()`` are the run's own, but nothing is created, written or started (no run
+        directory, model file, namespace, clock shim). ``testbed``: a stand-in for the two hosts of a spec
+        that asks for a network namespace (default :class:`leasekit.cluster.testbed.PlannedTestbed`)."""
+        pair = cls.__new__(cls)
+        pair._dry, pair._dry_testbed = True, testbed
+        cls.__init__(pair, spec, run_dir)
+        return pair
+
     def _launch(self, role: str) -> tuple[list[str], dict[str, str], str, str]:
         """Command prefix, extra env, bind host and URL host for one side's launch conditions."""
         spec = self.spec
         prefix: list[str] = []
         env: dict[str, str] = {}
         bind_host = url_host = "127.0.0.1"
-        if self.netns is not None:
-            prefix += self.netns.exec_prefix()
-            bind_host, url_host = "0.0.0.0", self.netns.ns_ip
+        if self.testbed is not None:  # on its own host: listens on every address, reached at the host's
+            prefix += self.testbed.exec_prefix(role)
+            bind_host, url_host = "0.0.0.0", self.testbed.address(role)
+            # one machine underneath: UCX would read KV blocks by cross-memory attach (process_vm_readv) and
+            # never touch the network; hosts share no memory, so no shared-memory transport (KV data over TCP)
+            env["UCX_TLS"] = "^sm"
         offset = spec.prefill_monotonic_offset_s if role == "prefill" else spec.decode_monotonic_offset_s
         if offset:
             from leasekit.chaos.faults.clock import time_namespace_prefix
 
-            prefix += time_namespace_prefix(offset)
+            prefix += time_namespace_prefix(offset, check=not self._dry)
         wall_offset, wall_rate = (
             (spec.prefill_wall_offset_s, spec.prefill_wall_rate) if role == "prefill" else (spec.decode_wall_offset_s, spec.decode_wall_rate)
         )
         if wall_offset or wall_rate != 1.0:
             from leasekit.chaos.faults.clock import faketime_env
 
-            env.update(faketime_env(wall_offset, wall_rate))
+            env.update(faketime_env(wall_offset, wall_rate, build=not self._dry))
         if spec.fault_files:
             env["LEASEKIT_FAULT_FILE"] = str(self.fault_file(role))
         if self.logging_config is not None:
@@ -172,33 +204,32 @@ class PDPair:
         """The connector fault-control file of ``role`` (``prefill`` or ``decode``)."""
         return self.run_dir / "faults" / f"{role}.json"
 
-    def _server(self, name: str, role: str, connector: str, cpu: int | None, *, max_num_seqs: int, http_port: int = 0, side_channel_port: int = 0) -> VllmServer:
+    def _server(self, name: str, role: str, connector: str, cpu, *, max_num_seqs: int, http_port: int = 0, side_channel_port: int = 0) -> VllmServer:
         prefix, env, bind_host, url_host = self._launch(role)
-        server = VllmServer(
-            ServerSpec(
-                name=name,
-                role=role,  # type: ignore[arg-type]
-                connector=connector,  # type: ignore[arg-type]
-                model_dir=self.model_dir,
-                lease_duration_s=self.spec.lease_duration_s,
-                cpu=cpu,
-                max_num_seqs=max_num_seqs,
-                http_port=http_port,
-                side_channel_port=side_channel_port,
-                extra_env=env,
-                extra_args=["--otlp-traces-endpoint", self.spec.otlp_traces_endpoint] if self.spec.otlp_traces_endpoint else [],
-                command_prefix=prefix,
-                bind_host=bind_host,
-                url_host=url_host,
-                connector_extra=self._connector_extra(role),
-                kv_load_failure_policy=self.spec.decode_kv_load_failure_policy if role == "decode" else None,
-                **({"kv_cache_bytes": self.spec.prefill_kv_cache_bytes}
-                   if role == "prefill" and self.spec.prefill_kv_cache_bytes else {}),
-            ),
-            self.run_dir,
+        kwargs = dict(
+            name=name, role=role, connector=connector, model_dir=self.model_dir, lease_duration_s=self.spec.lease_duration_s,
+            cpu=cpu, max_num_seqs=max_num_seqs, http_port=http_port, side_channel_port=side_channel_port, extra_env=env,
+            extra_args=["--otlp-traces-endpoint", self.spec.otlp_traces_endpoint] if self.spec.otlp_traces_endpoint else [],
+            command_prefix=prefix, bind_host=bind_host, url_host=url_host, connector_extra=self._connector_extra(role),
+            **({"side_channel_host": url_host} if self.testbed is not None else {}),  # NIXL between the two hosts
+            kv_load_failure_policy=self.spec.decode_kv_load_failure_policy if role == "decode" else None,
+            **({"kv_cache_bytes": self.spec.prefill_kv_cache_bytes} if role == "prefill" and self.spec.prefill_kv_cache_bytes else {}),
         )
-        with _LIVE_LOCK:
-            _LIVE.add(server)
+        python, deployment = sys.executable, self.deployment
+        if deployment is not None:  # the pair file's server, under this pair's launch conditions
+            keep = {key for key in ("http_port", "side_channel_port", "kv_cache_bytes") if kwargs.get(key)}
+            keep |= {"bind_host", "url_host", "side_channel_host"} if self.testbed is not None else set()
+            kwargs, python = merged_server_kwargs(kwargs, deployment, role, keep=keep), deployment.python(role)
+        spec = ServerSpec(**kwargs)
+        if deployment is not None and role in deployment.remote_roles() and not self._dry:
+            from leasekit.cluster import hosts  # SSH host support; require_local() checked it is there
+
+            server = hosts.server_on_host(deployment, role, spec, self.run_dir)
+        else:
+            server = VllmServer(spec, self.run_dir, python=python)
+        if not self._dry:
+            with _LIVE_LOCK:
+                _LIVE.add(server)
         return server
 
     def _connector_extra(self, role: str) -> dict[str, object]:
@@ -301,6 +332,8 @@ class PDPair:
         replace D after a scenario kills it (see :meth:`adopt_decode`); returns it, not started
         serving (about 45 s of imports on this class of machine)."""
         old = self.decode
+        if self.deployment is not None and (self.deployment.decode.http_port or self.deployment.decode.side_channel_port):
+            raise RuntimeError("no spare D: the running D holds the ports the pair file fixes for D; D restarts in place")
         spare = self._server("decode", "decode", old.spec.connector, old.spec.cpu, max_num_seqs=old.spec.max_num_seqs)
         spare.log_path = old.log_path.with_name(f"decode-spare-{int(time.time())}.log")
         spare.start(idle=True)
@@ -355,15 +388,15 @@ class PDPair:
 
     def stop(self, grace_s: float = 5.0) -> None:
         """Stop both servers together (SIGTERM, SIGKILL after ``grace_s`` seconds), then remove the
-        network namespace if any; idempotent."""
+        testbed (the two hosts) if any; idempotent."""
         if self.router is not None:
             self.router.close()
         for server in (self.decode, self.prefill):
             server.begin_stop()
         for server in (self.decode, self.prefill):
             server.stop(grace_s=grace_s)
-        if self.netns is not None:
-            self.netns.destroy()
+        if self.testbed is not None:
+            self.testbed.destroy()
 
     def __enter__(self) -> "PDPair":
         return self.start()

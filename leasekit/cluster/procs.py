@@ -19,8 +19,8 @@ import psutil
 _PR_SET_PDEATHSIG = 1
 
 
-def child_preexec(cpu: int | None, *, die_with_parent: bool = True, idle: bool = False) -> Callable[[], None]:
-    """A ``preexec_fn``: pin the child to ``cpu`` (if given); with ``idle``, run it as background
+def child_preexec(cpu: int | tuple[int, ...] | None, *, die_with_parent: bool = True, idle: bool = False) -> Callable[[], None]:
+    """A ``preexec_fn``: pin the child to ``cpu`` (a core or a tuple of cores, if given); with ``idle``, run it as background
     work: ``SCHED_BATCH`` at nice ``BACKGROUND_NICE`` (it never preempts a waking task and gets a
     small share against busy ones; its children inherit both, see sched(7)); and, if
     ``die_with_parent``, ask the kernel to SIGKILL it when the launching *thread* dies
@@ -33,7 +33,7 @@ def child_preexec(cpu: int | None, *, die_with_parent: bool = True, idle: bool =
 
     def _preexec() -> None:
         if cpu is not None:
-            os.sched_setaffinity(0, {cpu})
+            os.sched_setaffinity(0, _cores(cpu))
         if idle:
             os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
             os.setpriority(os.PRIO_PROCESS, 0, BACKGROUND_NICE)
@@ -131,12 +131,19 @@ def _thread_ids(pids: list[int]):
         yield from (int(tid) for tid in tids)
 
 
-def pin_threads(pids: list[int], cpu: int) -> int:
-    """Set the CPU affinity of every thread of ``pids`` to ``{cpu}``; returns threads pinned."""
+def _cores(cpu: int | tuple[int, ...]) -> set[int]:
+    """``{cpu}`` for one core, the set of a tuple of cores."""
+    return {cpu} if isinstance(cpu, int) else set(cpu)
+
+
+def pin_threads(pids: list[int], cpu: int | tuple[int, ...]) -> int:
+    """Set the CPU affinity of every thread of ``pids`` to ``cpu`` (a core or a tuple of cores);
+    returns threads pinned."""
+    cores = _cores(cpu)
     pinned = 0
     for tid in _thread_ids(pids):
         try:
-            os.sched_setaffinity(tid, {cpu})
+            os.sched_setaffinity(tid, cores)
             pinned += 1
         except (ProcessLookupError, PermissionError, OSError):
             continue

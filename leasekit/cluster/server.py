@@ -48,12 +48,12 @@ class ServerSpec:
         name: label used for the log file and reports (e.g. ``"prefill"``).
         role: ``prefill`` (kv_producer) or ``decode`` (kv_consumer).
         connector: ``leasekit`` (LeaseKitConnector) or ``stock`` (vLLM's NixlConnector).
-        model_dir: directory holding the model ``config.json``.
+        model_dir: directory holding the model ``config.json``, or a Hugging Face model id.
         lease_duration_s: ``kv_lease_duration`` in seconds.
-        cpu: core to pin the whole server to; None leaves it unpinned.
+        cpu: core (or tuple of cores) to pin the whole server to; None leaves it unpinned.
         max_num_seqs: vLLM ``--max-num-seqs`` (1 on D makes a waiting queue easy to build).
         max_model_len: vLLM ``--max-model-len`` in tokens.
-        kv_cache_bytes: vLLM ``--kv-cache-memory-bytes``.
+        kv_cache_bytes: vLLM ``--kv-cache-memory-bytes``; None leaves it out (GPU: sized from memory utilization).
         http_port / side_channel_port: 0 picks a free port at start.
         extra_env: extra environment variables.
         extra_args: extra CLI arguments for the API server.
@@ -65,6 +65,12 @@ class ServerSpec:
             ``{"leasekit_max_hold_s": 10}``); ignored for the stock connector.
         kv_load_failure_policy: vLLM's ``kv_load_failure_policy`` (``recompute`` or ``fail``; None keeps
             vLLM's default, ``fail``): what D does with a read that failed or that LeaseKit discarded.
+        device (``cpu``/``cuda``), load_format, skip_tokenizer_init, dtype, gpu_memory_utilization (0-1],
+            tensor_parallel_size (given always on cuda): vLLM's flags; None leaves one out (vLLM's
+            default, for a real model); the defaults are the tiny model's (``dummy``, no tokenizer, float32).
+        cuda_visible_devices: GPU indices for ``CUDA_VISIBLE_DEVICES`` (None: inherited); kv_buffer_device:
+            the kv-transfer-config's (``cpu``/``cuda``; None: vLLM's); side_channel_host: the address D dials
+            for P's NIXL handshake (``VLLM_NIXL_SIDE_CHANNEL_HOST``).
     """
 
     name: str
@@ -72,10 +78,10 @@ class ServerSpec:
     connector: ConnectorKind
     model_dir: Path
     lease_duration_s: float = 30
-    cpu: int | None = None
+    cpu: int | tuple[int, ...] | None = None
     max_num_seqs: int = 8
     max_model_len: int = 4096
-    kv_cache_bytes: int = 64 * 1024 * 1024
+    kv_cache_bytes: int | None = 64 * 1024 * 1024
     http_port: int = 0
     side_channel_port: int = 0
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -85,6 +91,15 @@ class ServerSpec:
     url_host: str = "127.0.0.1"
     connector_extra: dict[str, object] = field(default_factory=dict)
     kv_load_failure_policy: str | None = None
+    device: Literal["cpu", "cuda"] = "cpu"
+    load_format: str | None = "dummy"
+    skip_tokenizer_init: bool = True
+    dtype: str | None = "float32"
+    gpu_memory_utilization: float | None = None
+    tensor_parallel_size: int = 1
+    cuda_visible_devices: list[int] | None = None
+    kv_buffer_device: str | None = None
+    side_channel_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         if self.role not in KV_ROLES:
@@ -93,6 +108,13 @@ class ServerSpec:
             raise ValueError(f"connector must be 'leasekit' or 'stock', got {self.connector!r}")
         if self.kv_load_failure_policy not in (None, "recompute", "fail"):
             raise ValueError(f"kv_load_failure_policy must be 'recompute', 'fail' or None, got {self.kv_load_failure_policy!r}")
+        for name, allowed in (("device", ("cpu", "cuda")), ("kv_buffer_device", (None, "cpu", "cuda"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+
+    def cpu_list(self) -> str | None:
+        """The pinned core(s) as ``VLLM_CPU_OMP_THREADS_BIND`` and ``taskset --cpu-list`` write them (``"2,3"``), or None."""
+        return None if self.cpu is None else ",".join(str(c) for c in ((self.cpu,) if isinstance(self.cpu, int) else self.cpu))
 
     def kv_transfer_config(self, run_dir: Path) -> dict:
         """The ``--kv-transfer-config`` JSON object for this server."""
@@ -103,6 +125,8 @@ class ServerSpec:
         }
         if self.kv_load_failure_policy is not None:
             config["kv_load_failure_policy"] = self.kv_load_failure_policy
+        if self.kv_buffer_device is not None:
+            config["kv_buffer_device"] = self.kv_buffer_device
         if self.connector == "leasekit":
             config["kv_connector_module_path"] = CONNECTOR_MODULE_PATH
             config["kv_connector_extra_config"]["leasekit_run_dir"] = str(run_dir)
@@ -143,18 +167,20 @@ class VllmServer:
         return None if self.proc is None else self.proc.pid
 
     def command(self) -> list[str]:
-        """The API server command line."""
+        """The API server command line (what ``leasekit chaos run --plan`` prints, too)."""
         s = self.spec
         return [
             *s.command_prefix,
             self.python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(s.model_dir),
             "--served-model-name", SERVED_MODEL_NAME,
-            "--load-format", "dummy",
-            "--skip-tokenizer-init",
+            *(["--load-format", s.load_format] if s.load_format else []),
+            *(["--skip-tokenizer-init"] if s.skip_tokenizer_init else []),
             "--enforce-eager",
-            "--dtype", "float32",
-            "--kv-cache-memory-bytes", str(s.kv_cache_bytes),
+            *(["--dtype", s.dtype] if s.dtype else []),
+            *(["--kv-cache-memory-bytes", str(s.kv_cache_bytes)] if s.kv_cache_bytes is not None else []),
+            *(["--gpu-memory-utilization", f"{s.gpu_memory_utilization:g}"] if s.gpu_memory_utilization is not None else []),
+            *(["--tensor-parallel-size", str(s.tensor_parallel_size)] if s.device == "cuda" or s.tensor_parallel_size != 1 else []),
             "--max-model-len", str(s.max_model_len),
             "--max-num-seqs", str(s.max_num_seqs),
             "--host", s.bind_host,
@@ -163,22 +189,25 @@ class VllmServer:
             *s.extra_args,
         ]
 
-    def environment(self) -> dict[str, str]:
-        """The server's environment: ours on top of the caller's."""
-        env = dict(os.environ)
-        env.update(
-            {
-                "OMP_NUM_THREADS": "1",
-                "PYTHONUNBUFFERED": "1",
-                "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side_channel_port),
-                "LEASEKIT_RUN_DIR": str(self.run_dir),
-            }
-        )
-        if self.spec.cpu is not None:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.spec.cpu)
+    def launch_environment(self) -> dict[str, str]:
+        """Only the variables leasekit sets for this server (what ``--plan`` prints)."""
+        env = {
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": self.spec.side_channel_host,
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side_channel_port),
+            "LEASEKIT_RUN_DIR": str(self.run_dir),
+        }
+        if self.spec.cpu is not None:  # vLLM's CPU worker binds its OpenMP threads there
+            env["VLLM_CPU_OMP_THREADS_BIND"] = self.spec.cpu_list()
+        if self.spec.cuda_visible_devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(gpu) for gpu in self.spec.cuda_visible_devices)
         env.update(self.spec.extra_env)
         return env
+
+    def environment(self) -> dict[str, str]:
+        """The server's environment: ours (:meth:`launch_environment`) on top of the caller's."""
+        return {**os.environ, **self.launch_environment()}
 
     def start(self, *, idle: bool = False) -> None:
         """Launch the server in its own session; returns at once (see :meth:`wait_healthy`).
@@ -301,7 +330,7 @@ class VllmServer:
         return None
 
     def pin(self) -> int:
-        """Pin every thread of every process to the spec's core; returns threads pinned (0 if unpinned)."""
+        """Pin every thread of every process to the spec's core(s); returns threads pinned (0 if unpinned)."""
         if self.spec.cpu is None:
             return 0
         return procs.pin_threads(self.pids(), self.spec.cpu)

@@ -2,7 +2,8 @@
 
 Wire-compatible with stock peers: it sends and accepts exactly what NixlConnector does (heartbeats
 ``b"HB:" + b",".join(ids)``, completions ``b"{req_id}:{n}"``) and leaves the compatibility hash alone.
-It observes through these hooks of vllm 0.32.0 (``.../kv_connector/v1/nixl/``):
+It observes through these hooks of vllm 0.32.0 and 0.33.0 (``.../kv_connector/v1/nixl/``; the
+signatures and attributes it relies on are recorded per release in :mod:`leasekit.vllm.version`):
 
 - grant: new keys of ``_reqs_to_send`` after ``start_load_kv`` (values: deadlines on the worker's
   ``perf_counter``, ``pull_worker.py``); blocks pinned come from the scheduler's ``request_finished``
@@ -53,12 +54,7 @@ from typing import TYPE_CHECKING, Any
 
 import vllm
 
-from leasekit.vllm.version import (
-    REQUIRED_SCHEDULER_METHODS,
-    REQUIRED_WORKER_METHODS,
-    check_hooks,
-    check_vllm_release,
-)
+from leasekit.vllm.version import check_installed, check_vllm_release
 
 check_vllm_release(vllm.__version__)
 
@@ -66,9 +62,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  #
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (  # noqa: E402
     NixlBaseConnector,
     NixlPullConnector,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (  # noqa: E402
-    NixlPullConnectorScheduler,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (  # noqa: E402
     NixlPullConnectorWorker,
@@ -105,8 +98,7 @@ from leasekit.vllm.scheduler import (  # noqa: E402
 from leasekit.vllm.stats import LeaseKitKVConnectorStats, LeaseKitPromMetrics, LeaseStatsObserver  # noqa: E402
 from leasekit.vllm.taps import NotificationTap, TelemetryErrors  # noqa: E402
 
-check_hooks(NixlPullConnectorWorker, REQUIRED_WORKER_METHODS)
-check_hooks(NixlPullConnectorScheduler, REQUIRED_SCHEDULER_METHODS)
+check_installed(vllm.__version__)  # every hook's signature and every attribute LeaseKit reads
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -286,7 +278,8 @@ class LeaseKitConnector(NixlPullConnector):
     ``kv_connector_module_path="leasekit.vllm.connector"``.
 
     Raises:
-        leasekit.vllm.version.UnsupportedVllmError: at import, on an unsupported vLLM release.
+        leasekit.vllm.version.UnsupportedVllmError: at import, on an unsupported vLLM release or one
+            whose hooks, signatures or attributes differ from the recorded ones.
         leasekit.lease.config.LeaseConfigError, leasekit.lease.settings.NotificationConfigError,
         leasekit.lease.settings.ReadGateConfigError: at start (worker role), a ``kv_lease_duration`` or
             ``leasekit_*`` value out of range; the message names the field, the range and the fix

@@ -46,7 +46,7 @@ def test_kill_decode_defaults():
         ("[workload]\nrequests = 0", "workload.requests", "greater than or equal to 1"),
         ("[topology]\ntargets = ['mine']", "topology.targets.0", "'leasekit' or 'stock'"),
         ("[workload]\nkind = 'flood'", "workload.kind", "'queued', 'overload' or 'abort_storm'"),
-        ("[[faults]]\nkind = 'stall'\nduration_s = 0", "faults.1.stall.duration_s", "greater than 0"),
+        ("[[faults]]\nkind = 'stall'\nduration_s = 0", "faults.1.stall.duration_s", "allowed: 0 < value <= 600"),
         ("[lease]\nduraton_s = 6", "lease.duraton_s", "Extra inputs are not permitted"),
     ],
 )
@@ -125,7 +125,8 @@ def test_every_catalog_scenario_names_its_checks_and_incident():
      "faults.0.target: heartbeat faults live in D's send path"),
     (GOOD.replace('kind = "kill"', 'kind = "heartbeats"'), "set expect.stock = 'UNKNOWN'"),
     (GOOD.replace('kind = "kill"', 'kind = "kill"\ntarget = "prefill"\nrestart_after_s = 1'), "only a killed D is restarted"),
-    (GOOD + "[topology]\ndecode_max_num_seqs = 4\n", "decode_max_num_seqs must be 1"),
+    (GOOD + "[workload]\nkind = 'overload'\nhold_decode_slot_s = 5\n", "an overload holds no slot for a time"),
+    (GOOD + "[workload]\ncancel_after_s = 'H'\n", "cancel_after_s applies to kind = 'abort_storm' only"),
     (GOOD + "[workload]\ncancel_queued_fraction = 0.6\nnever_decode_fraction = 0.6\n", "must be <= 1"),
     (GOOD.replace('checks = ["bounded_reclaim"]', 'checks = ["liveness", "liveness"]'), "each check once"),
     (GOOD.replace('checks = ["bounded_reclaim"]', 'checks = ["bounded_reclaim"]\nstock = "FAIL"'), "known_defect_stock"),
@@ -140,3 +141,11 @@ def test_contradictions_are_refused(tmp_path, text, message):
 def test_name_must_match_the_file(tmp_path):
     with pytest.raises(ScenarioError, match="must match the file name 'y'"):
         load_scenario(write(tmp_path, GOOD, name="y"))
+
+
+@pytest.mark.parametrize("kind", ["queued", "overload", "abort_storm"])
+def test_every_workload_takes_any_slot_count(tmp_path, kind):
+    s = load_scenario(write(tmp_path, GOOD + f"[topology]\ndecode_max_num_seqs = 256\n[workload]\nkind = '{kind}'\n"))
+    assert s.topology.decode_max_num_seqs == 256 and s.workload.kind == kind
+    with pytest.raises(ScenarioError, match=r"topology\.decode_max_num_seqs.*allowed: 1 <= value <= 256"):
+        load_scenario(write(tmp_path, GOOD + "[topology]\ndecode_max_num_seqs = 257\n"))

@@ -6,6 +6,13 @@ import subprocess
 import time
 from collections.abc import Callable, Iterable
 
+# who made a namespace or cgroup (one file per name holding the maker's pid): the scheme lives in the
+# cluster layer, which the two-host testbed shares; re-exported for the fault injectors
+from leasekit.cluster.owners import OWNERS_DIR, claim, owned_by_another_live_process, unclaim
+
+__all__ = ["OWNERS_DIR", "FaultError", "PidsLike", "claim", "owned_by_another_live_process", "resolve_pids",
+           "run", "stamp", "unclaim", "wait_for"]
+
 #: Where an injector gets its target pids: a fixed list, or a callable read at ``inject()`` time
 #: (e.g. ``server.pids``) so processes started after the injector was built are included.
 PidsLike = Iterable[int] | Callable[[], Iterable[int]]
@@ -61,50 +68,3 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float, interval_s: float 
     from leasekit.cluster.procs import wait_until
 
     return wait_until(predicate, timeout_s, interval_s)
-
-
-#: One file per namespace or cgroup a live leasekit process made, holding its pid, so that one
-#: run's sweep of stale leftovers never removes what another, still running, run is using.
-OWNERS_DIR = "/run/leasekit/owners"
-
-
-def claim(name: str) -> None:
-    """Mark ``name`` (a namespace or cgroup name) as made by this process (best effort)."""
-    import os
-
-    try:
-        os.makedirs(OWNERS_DIR, exist_ok=True)
-        with open(os.path.join(OWNERS_DIR, name), "w") as handle:
-            handle.write(str(os.getpid()))
-    except OSError:
-        pass
-
-
-def unclaim(name: str) -> None:
-    """Forget the owner of ``name`` (it was removed)."""
-    import os
-
-    try:
-        os.unlink(os.path.join(OWNERS_DIR, name))
-    except OSError:
-        pass
-
-
-def owned_by_another_live_process(name: str) -> bool:
-    """True when another process that is still alive made ``name`` (so a sweep must leave it)."""
-    import os
-
-    try:
-        with open(os.path.join(OWNERS_DIR, name)) as handle:
-            pid = int(handle.read().strip())
-    except (OSError, ValueError):
-        return False
-    if pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -9,14 +9,18 @@ import re
 import signal
 
 from leasekit.chaos.faults._common import FaultError, run, wait_for
+from leasekit.cluster.testbed import NET_LOCK_PATH, TestbedError
+from leasekit.cluster.testbed import free_subnet as _free_subnet
 
 PREFIX = "lk-"
-POOL = ipaddress.ip_network("10.237.0.0/16")
+# /30s for NetworkNamespace; two-host testbeds take /24s of 10.237.128.0/17 (leasekit.cluster.testbed),
+# under the same lock and the same "overlaps nothing configured in the root namespace" rule
+POOL = ipaddress.ip_network("10.237.0.0/17")
 ACTIONS = ("drop", "reject")
 CHAINS = ("input", "output")
 PROTOCOLS = ("tcp", "udp")
 MATCHES = ("dport", "sport")
-LOCK_PATH = "/run/lock/leasekit-netns.lock" if os.path.isdir("/run/lock") else "/tmp/leasekit-netns.lock"
+LOCK_PATH = NET_LOCK_PATH
 ID_RE = re.compile(r"^[a-z0-9]{1,12}$")
 TABLE = ("inet", "leasekit")
 
@@ -47,16 +51,16 @@ def ns_pids(name: str) -> list[int]:
 
 
 def free_subnet() -> ipaddress.IPv4Network:
-    """The first /30 of the pool that overlaps no address configured on this host."""
-    used = []
-    for line in run(["ip", "-o", "-4", "addr"]).stdout.splitlines():
-        parts = line.split()
-        if "inet" in parts:
-            used.append(ipaddress.ip_interface(parts[parts.index("inet") + 1]).network)
-    for subnet in POOL.subnets(new_prefix=30):
-        if not any(subnet.overlaps(net) for net in used):
-            return subnet
-    raise FaultError(f"no free /30 left in {POOL} (check `ip -o addr` for leftovers)")
+    """The first /30 of :data:`POOL` that overlaps no address configured on this host (call it while
+    holding :data:`LOCK_PATH`, the lock testbeds allocate under too).
+
+    Raises:
+        FaultError: none is left.
+    """
+    try:
+        return _free_subnet(POOL, 30)
+    except TestbedError as exc:
+        raise FaultError(str(exc)) from None
 
 
 def teardown(name: str, host_if: str | None, timeout_s: float = 5.0) -> None:

@@ -31,6 +31,7 @@ from leasekit.chaos.faults._common import FaultError
 #: The kernel refuses time-namespace offsets beyond KTIME_SEC_MAX / 2 seconds.
 MAX_OFFSET_S = 4_611_686_018
 RATE_RANGE = (0.001, 1000.0)
+DEBIAN_LIBFAKETIME = "/usr/lib/x86_64-linux-gnu/faketime/{lib}"
 LIBFAKETIME_GLOBS = ("/usr/lib/*/faketime/{lib}", "/usr/lib/faketime/{lib}",
                      "/usr/local/lib/faketime/{lib}", "/usr/local/lib/{lib}")
 
@@ -66,18 +67,20 @@ def _check_offset(field: str, value: object, lowest_s: float) -> int:
     return int(value)
 
 
-def time_namespace_prefix(monotonic_offset_s: float, *, boottime_offset_s: float | None = None) -> list[str]:
+def time_namespace_prefix(monotonic_offset_s: float, *, boottime_offset_s: float | None = None,
+                          check: bool = True) -> list[str]:
     """``unshare --time --fork --kill-child --monotonic=<N> --boottime=<M>``: prefix a command with
     it to run that command with ``CLOCK_MONOTONIC`` shifted by ``monotonic_offset_s`` seconds
     (``CLOCK_BOOTTIME`` by ``boottime_offset_s``, default the same). Needs root (CAP_SYS_ADMIN).
     ``--kill-child`` SIGKILLs the command when ``unshare`` dies, so killing the prefix kills it.
 
     Offsets are whole seconds (util-linux ``unshare`` rejects fractions); a negative offset may not
-    take the clock below zero (the kernel answers ERANGE).
+    take the clock below zero (the kernel answers ERANGE). ``check=False`` (a plan) skips looking for
+    ``unshare`` and time namespaces on this machine.
 
     Raises:
         ValueError: an offset is not a whole number in (-current clock value, 4611686018].
-        FaultError: ``unshare`` is missing or the kernel has no time namespaces.
+        FaultError: ``unshare`` is missing or the kernel has no time namespaces (``check`` only).
     """
     mono = _check_offset("monotonic_offset_s", monotonic_offset_s, -time.clock_gettime(time.CLOCK_MONOTONIC))
     boot = mono if boottime_offset_s is None else _check_offset(
@@ -85,6 +88,8 @@ def time_namespace_prefix(monotonic_offset_s: float, *, boottime_offset_s: float
     if boot < -time.clock_gettime(time.CLOCK_BOOTTIME):
         raise ValueError(f"boottime_offset_s {boot} would take CLOCK_BOOTTIME below 0")
     unshare = shutil.which("unshare")
+    if not check:
+        return [unshare or "unshare", "--time", "--fork", "--kill-child", f"--monotonic={mono}", f"--boottime={boot}"]
     if unshare is None:
         raise FaultError("unshare not found: install the util-linux package")
     if not os.path.exists("/proc/self/ns/time"):
@@ -107,16 +112,29 @@ def find_libfaketime(multithreaded: bool = False) -> str:
                      f"`faketime` (apt-get install faketime), which brings libfaketime")
 
 
+def sleep_fix_path() -> Path:
+    """Where the compiled clock_nanosleep shim lives (``$XDG_CACHE_HOME/leasekit`` or
+    ``~/.cache/leasekit``, named after its source's hash); it may not be built yet."""
+    digest = hashlib.sha256(_SLEEP_FIX_SOURCE.encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "leasekit"
+    return cache / f"faketime-sleepfix-{digest}.so"
+
+
+def sleep_fix_build_command(src: str | Path, out: str | Path, gcc: str | None = None) -> list[str]:
+    """The compiler command that builds the shim from C source ``src`` into ``out`` (what
+    :func:`sleep_fix_library` runs in a temporary directory before moving ``out`` into the cache)."""
+    return [gcc or shutil.which("gcc") or "gcc", "-shared", "-fPIC", "-O2", "-o", str(out), str(src), "-ldl"]
+
+
 def sleep_fix_library() -> str:
     """Path of the compiled clock_nanosleep shim (built with ``gcc`` on first use, then cached
-    under ``$XDG_CACHE_HOME/leasekit`` or ``~/.cache/leasekit``).
+    at :func:`sleep_fix_path`).
 
     Raises:
         FaultError: ``gcc`` is missing or the build failed.
     """
-    digest = hashlib.sha256(_SLEEP_FIX_SOURCE.encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "leasekit"
-    target = cache / f"faketime-sleepfix-{digest}.so"
+    target = sleep_fix_path()
+    cache = target.parent
     if target.exists():
         return str(target)
     gcc = shutil.which("gcc") or shutil.which("cc")
@@ -127,7 +145,7 @@ def sleep_fix_library() -> str:
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         src, out = Path(tmp) / "sleepfix.c", Path(tmp) / "sleepfix.so"
         src.write_text(_SLEEP_FIX_SOURCE)
-        build = subprocess.run([gcc, "-shared", "-fPIC", "-O2", "-o", str(out), str(src), "-ldl"],
+        build = subprocess.run(sleep_fix_build_command(src, out, gcc),
                                capture_output=True, text=True, check=False)
         if build.returncode != 0:
             raise FaultError(f"building the libfaketime sleep shim failed: {build.stderr.strip()}")
@@ -143,18 +161,20 @@ def faketime_spec(offset_s: float = 0.0, rate: float = 1.0) -> str:
 
 
 def faketime_env(offset_s: float = 0.0, rate: float = 1.0, *, multithreaded: bool = False,
-                 sleep_fix: bool = True) -> dict[str, str]:
+                 sleep_fix: bool = True, build: bool = True) -> dict[str, str]:
     """Environment variables that make a launched process see the wall clock (``time.time()``)
     shifted by ``offset_s`` seconds and running ``rate`` times as fast, monotonic clocks real.
 
     Returns ``{"LD_PRELOAD", "FAKETIME", "FAKETIME_DONT_FAKE_MONOTONIC": "1"}``; merge it over the
     child's environment (it replaces any LD_PRELOAD there). ``LD_PRELOAD`` lists the sleep shim
-    first (see the module docstring) unless ``sleep_fix`` is False.
+    first (see the module docstring) unless ``sleep_fix`` is False. ``build=False`` (a plan) builds
+    and looks for nothing: the shim's cache path and libfaketime's Debian path stand in.
 
     Raises:
         ValueError: ``offset_s`` not finite or would make the wall clock negative or exceed
             4611686018 s; ``rate`` not in 0.001..1000.
-        FaultError: libfaketime (Debian ``faketime``) missing, or the shim could not be built.
+        FaultError: libfaketime (Debian ``faketime``) missing, or the shim could not be built
+            (``build`` only).
     """
     if isinstance(offset_s, bool) or not isinstance(offset_s, (int, float)) or not math.isfinite(offset_s) \
             or not -time.time() < offset_s <= MAX_OFFSET_S:
@@ -163,11 +183,30 @@ def faketime_env(offset_s: float = 0.0, rate: float = 1.0, *, multithreaded: boo
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not math.isfinite(rate) \
             or not RATE_RANGE[0] <= rate <= RATE_RANGE[1]:
         raise ValueError(f"rate must be a number in {RATE_RANGE[0]}..{RATE_RANGE[1]}, got {rate!r}")
-    preload = [find_libfaketime(multithreaded)]
-    if sleep_fix:
-        preload.insert(0, sleep_fix_library())
+    if build:
+        preload = [find_libfaketime(multithreaded)]
+        if sleep_fix:
+            preload.insert(0, sleep_fix_library())
+    else:
+        try:
+            preload = [find_libfaketime(multithreaded)]
+        except FaultError:
+            preload = [DEBIAN_LIBFAKETIME.format(lib="libfaketimeMT.so.1" if multithreaded else "libfaketime.so.1")]
+        if sleep_fix:
+            preload.insert(0, str(sleep_fix_path()))
     return {
         "LD_PRELOAD": " ".join(preload),
         "FAKETIME": faketime_spec(float(offset_s), float(rate)),
         "FAKETIME_DONT_FAKE_MONOTONIC": "1",
     }
+
+
+def plan_commands(wall_offset_s: float = 0.0, wall_rate: float = 1.0) -> list[dict]:
+    """Commands a launch-time clock fault runs besides the server's own ``unshare`` prefix and
+    faketime environment (both part of the server command line): building the libfaketime sleep
+    shim once, when the wall clock is faked and the shim is not cached yet. Plan steps
+    ``{"argv": [...], "what": ...}``; nothing is run."""
+    if (not wall_offset_s and wall_rate == 1.0) or sleep_fix_path().exists():
+        return []
+    return [{"argv": sleep_fix_build_command("<tmp>/sleepfix.c", "<tmp>/sleepfix.so"),
+             "what": f"build the libfaketime sleep shim once (C source written to <tmp>, then moved to {sleep_fix_path()})"}]

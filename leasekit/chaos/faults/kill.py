@@ -128,3 +128,25 @@ def _running(proc: psutil.Process) -> bool:
         return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
+
+
+def plan_commands(target: str, signal_name: str = "SIGKILL", scope: KillScope = "group") -> list[dict]:
+    """What :class:`KillFault` would do to the server ``target`` (``prefill``/``decode``), as plan
+    steps ``{"argv": [...], "what": "..."}`` (nothing is run). Pids unknown before the run are
+    placeholders such as ``<pgid of decode>``.
+
+    Raises:
+        ValueError: ``scope`` not ``group``/``engine_core``, or an unknown signal name.
+    """
+    if scope not in SCOPES:
+        raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
+    sig = signal.Signals[signal_name].name.removeprefix("SIG")
+    if scope == "engine_core":
+        return [{"argv": ["kill", f"-{sig}", f"<pid of the {ENGINE_CORE_TITLE} process(es) of {target}>"],
+                 "what": f"{signal_name} to {target}'s engine core only (found by its process title)"}]
+    steps = [{"argv": ["kill", f"-{sig}", "--", f"-<pgid of {target}>"],
+              "what": f"{signal_name} to {target}'s whole process group (API server, engine core, workers)"}]
+    if sig == "KILL":
+        steps.append({"argv": ["kill", "-KILL", f"<each pid left in the {target} group or descended from its leader>"],
+                      "what": "SIGKILL stragglers by ancestry, then check that none survived (up to 5 s)"})
+    return steps

@@ -5,6 +5,10 @@ side ``lkh<id>``, namespace side ``lkn<id>``) on a free /30 of ``10.237.0.0/16``
 inside via :meth:`NetworkNamespace.exec_prefix`; the host reaches them at ``ns_ip``. Rules live
 in table ``inet leasekit`` *inside* the namespace only, so the host's firewall is never touched.
 :class:`NftFault` wraps one block/loss rule as an injector. Needs root, ``ip`` and ``nft``.
+
+Partitions between two hosts of a :class:`leasekit.cluster.testbed.Testbed` (P's and D's) live in
+:mod:`leasekit.chaos.faults.partition`; :func:`partition_plan` (re-exported here) says what one would
+run without running it.
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ from leasekit.chaos.faults._netlink import (
     teardown,
 )
 from leasekit.chaos.faults.nft import NftFault
+from leasekit.chaos.faults.partition import PartitionPlan, partition_plan
+from leasekit.cluster.testbed import LINK_PREFIX as TESTBED_LINK_PREFIX
+from leasekit.cluster.testbed import TestbedError, cleanup_stale_testbeds, list_testbed_leftovers
 
 
 class NetworkNamespace:
@@ -205,8 +212,9 @@ class NetworkNamespace:
 
 
 def list_leftovers(prefix: str = PREFIX) -> dict[str, list[str]]:
-    """``{"namespaces": [...], "links": [...]}``: namespaces named ``prefix*`` and host links of
-    their veth naming (``lkh``/``lkn`` + the id part of ``prefix``) still present.
+    """``{"namespaces": [...], "links": [...]}``: namespaces named ``prefix*`` (two-host testbeds'
+    ``lk-<id>-<host>`` included) and host links of their veth naming (``lkh``/``lkn`` + the id part of
+    ``prefix``) or of a testbed (bridge and veths ``lkt`` + the id part) still present.
 
     Raises:
         ValueError: ``prefix`` does not start with ``lk-``.
@@ -217,16 +225,21 @@ def list_leftovers(prefix: str = PREFIX) -> dict[str, list[str]]:
     links = []
     for line in run(["ip", "-o", "link"]).stdout.splitlines():
         link = line.split(":")[1].strip().split("@")[0]
-        if link.startswith((f"lkh{id_part}", f"lkn{id_part}")):
+        if link.startswith((f"lkh{id_part}", f"lkn{id_part}", f"{TESTBED_LINK_PREFIX}{id_part}")):
             links.append(link)
     return {"namespaces": [n for n in namespaces() if n.startswith(prefix)], "links": links}
 
 
-def cleanup_stale_namespaces(prefix: str = PREFIX) -> list[str]:
-    """Remove a crashed run's leftovers: namespaces ``prefix*`` (their processes killed) and
-    host veths of that naming. Returns what was removed.
+def _testbed_part(name: str) -> bool:
+    return name.startswith(TESTBED_LINK_PREFIX) or bool(re.match(r"^lk-[0-9a-f]{6}-", name))
 
-    Namespaces another live leasekit process made (see ``_common.claim``) are left alone.
+
+def cleanup_stale_namespaces(prefix: str = PREFIX) -> list[str]:
+    """Remove a crashed run's leftovers: namespaces ``prefix*`` (their processes killed), host veths
+    of that naming, and two-host testbeds (:func:`leasekit.cluster.testbed.cleanup_stale_testbeds`).
+    Returns what was removed.
+
+    Namespaces and testbeds another live leasekit process made (see ``_common.claim``) are left alone.
 
     Raises:
         ValueError: ``prefix`` does not start with ``lk-``.
@@ -234,7 +247,16 @@ def cleanup_stale_namespaces(prefix: str = PREFIX) -> list[str]:
     """
     removed = []
     in_use = set()
-    for name in list_leftovers(prefix)["namespaces"]:  # validates prefix
+    found = list_leftovers(prefix)  # validates prefix
+    id_part = prefix.removeprefix(PREFIX)
+    if re.match(r"^[0-9a-f]{0,6}$", id_part):
+        try:
+            removed += cleanup_stale_testbeds(id_part)
+        except TestbedError as exc:
+            raise FaultError(str(exc)) from None
+    for name in found["namespaces"]:
+        if _testbed_part(name):  # the testbed sweep above owns these
+            continue
         if owned_by_another_live_process(name):  # another run, still going
             in_use.update({name, f"lkh{name[len(PREFIX):]}", f"lkn{name[len(PREFIX):]}"})
             continue
@@ -242,15 +264,16 @@ def cleanup_stale_namespaces(prefix: str = PREFIX) -> list[str]:
         unclaim(name)
         removed.append(name)
     for link in list_leftovers(prefix)["links"]:  # e.g. a pair created before it was moved in
-        if link in in_use:
+        if link in in_use or _testbed_part(link):
             continue
         run(["ip", "link", "del", "dev", link], check=False)
         removed.append(link)
     left = list_leftovers(prefix)
-    left = {kind: [n for n in names if n not in in_use] for kind, names in left.items()}
+    live_testbeds = {n for names in list_testbed_leftovers(id_part).values() for n in names} if re.match(r"^[0-9a-f]{0,6}$", id_part) else set()
+    left = {kind: [n for n in names if n not in in_use and n not in live_testbeds] for kind, names in left.items()}
     if left["namespaces"] or left["links"]:
         raise FaultError(f"stale network leftovers could not be removed: {left}")
     return removed
 
 
-__all__ = ["NetworkNamespace", "NftFault", "cleanup_stale_namespaces", "list_leftovers"]
+__all__ = ["NetworkNamespace", "NftFault", "PartitionPlan", "cleanup_stale_namespaces", "list_leftovers", "partition_plan"]

@@ -257,3 +257,39 @@ class FreezerStall:
         self.path = None
         self._origins = {}
         stamp(self.record, "cleaned_up")
+
+
+def plan_commands(target: str, method: str, duration_s: float, *, backend: str = "v2",
+                  root: str = "/sys/fs/cgroup") -> list[dict]:
+    """What :class:`SigstopStall` / :class:`FreezerStall` would do to the server ``target`` for
+    ``duration_s`` seconds, as plan steps (``{"argv": [...], "what": ...}`` or ``{"write": path,
+    "content": text, "what": ...}``); nothing is run. ``backend``/``root``: the freezer hierarchy
+    (``v2`` at ``/sys/fs/cgroup`` unless the caller detected another). Pids and the cgroup's random
+    suffix are placeholders.
+
+    Raises:
+        ValueError: ``method`` not ``sigstop``/``freezer``, or ``backend`` not ``v1``/``v2``.
+    """
+    pids = f"<each pid in the {target} process group>"
+    if method == "sigstop":
+        return [{"argv": ["kill", "-STOP", pids], "what": f"stop every process of {target} (wait until all threads show T)"},
+                {"argv": ["sleep", f"{duration_s:g}"], "what": "the stall"},
+                {"argv": ["kill", "-CONT", pids], "what": f"resume {target}"}]
+    if method != "freezer":
+        raise ValueError(f"method must be 'sigstop' or 'freezer' (forward_pass goes through the fault file), got {method!r}")
+    if backend not in _cgroup.BACKENDS:
+        raise ValueError(f"backend must be one of {_cgroup.BACKENDS}, got {backend!r}")
+    path = f"{root}/{_cgroup.PREFIX}<uuid>"
+    control, freeze, thaw = ("cgroup.freeze", "1", "0") if backend == "v2" else ("freezer.state", "FROZEN", "THAWED")
+    probe = f"{root}/{_cgroup.PREFIX}probe-<id>"
+    return [
+        {"argv": ["mkdir", probe], "what": f"detect the {backend} freezer: a probe cgroup freezes and thaws a "
+                                           "throwaway `sleep 30`, then is removed"},
+        {"argv": ["mkdir", path], "what": f"a fresh cgroup for {target}"},
+        {"write": f"{path}/cgroup.procs", "content": pids, "what": f"move {target}'s processes in (original cgroups remembered)"},
+        {"write": f"{path}/{control}", "content": freeze, "what": "freeze (wait until the kernel reports frozen)"},
+        {"argv": ["sleep", f"{duration_s:g}"], "what": "the stall"},
+        {"write": f"{path}/{control}", "content": thaw, "what": "thaw"},
+        {"write": f"{root}/<original cgroup of each pid>/cgroup.procs", "content": pids, "what": "move them back"},
+        {"argv": ["rmdir", path], "what": "remove the cgroup"},
+    ]
