@@ -1,6 +1,6 @@
 """leasekit: observability and chaos testing for the KV-cache lease of vLLM's NixlConnector.
 
-See DESIGN.md (shared) for the mechanism, the bounds and the invariants. Data flows one way:
+See docs/lease-model.md for the mechanism, the bounds and the invariants. Data flows one way:
 ``leasekit.vllm`` / ``leasekit.sim`` emit lease events -> ``leasekit.telemetry`` -> chaos checks,
 CLI and dashboards read them.
 """

@@ -4,7 +4,7 @@
 every process of a time namespace. A process in another time namespace (``unshare --time``) sees
 it shifted by its namespace's offset, which the kernel publishes in ``/proc/<pid>/timens_offsets``
 (``monotonic <seconds> <nanoseconds>``). Converting between two processes' monotonic clocks by that
-measured offset keeps invariant 4 (clock hygiene, DESIGN.md) without assuming one clock.
+measured offset keeps invariant 4 (clock hygiene, docs/lease-model.md) without assuming one clock.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The tiny dummy-weight Llama the CPU pair serves (no download: ``--load-format dummy``).
 
-head_dim 32 keeps vLLM's CPU attention backend happy (DESIGN.md, "Real components"); two layers and
+head_dim 32 keeps vLLM's CPU attention backend happy (README, "Set up and run"); two layers and
 a hidden size of 64 make a forward pass take milliseconds. The KV cache costs
 ``2 (K,V) x layers x kv_heads x head_dim x 4 bytes = 1 KiB`` per token in float32.
 """

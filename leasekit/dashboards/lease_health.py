@@ -4,7 +4,7 @@ Rows: leases now (P) - lease lifecycle - heartbeats and bounds - per remote peer
 - vLLM's own NIXL transfer panels (:mod:`leasekit.dashboards.nixl_panels`). Every query reads
 only metrics of :mod:`leasekit.telemetry.metrics` (names taken from the catalog's specs) and
 filters ``job=~"$job", instance=~"$instance"``; aggregation rules are in
-:mod:`leasekit.dashboards.queries`. The bounds shown next to measurements are DESIGN.md's:
+:mod:`leasekit.dashboards.queries`. The bounds shown next to measurements are those of docs/lease-model.md:
 a heartbeat gap above ``E`` expires the lease; reclaim lag (reap - deadline) must stay within the
 tick allowance, drawn as ``max(H, 0.5 s)`` (see :data:`leasekit.dashboards.rules.RECLAIM_LAG_FLOOR_S`).
 """
@@ -110,7 +110,7 @@ def _heartbeats_and_bounds() -> list[Builder]:
                     Query(f"0.8 * {config_gauge(m.EXTENSION.name, I, F)}", "{{instance}} 0.8 * E (alert)")],
                    "s", width=12),
         timeseries("Reclaim lag p99 vs bound (tick allowance)",
-                   m.RECLAIM_LAG.help + " DESIGN.md bound: reap <= deadline + tick, i.e. lag <= tick. P's tick is "
+                   m.RECLAIM_LAG.help + " bound (docs/lease-model.md): reap <= deadline + tick, i.e. lag <= tick. P's tick is "
                    f"not exported; the drawn bound is max(H, {RECLAIM_LAG_FLOOR_S:g} s), the threshold of "
                    "LeaseReclaimLagOverBound.",
                    [Query(quantile(0.99, lag, I, W, F), "{{instance}} reclaim lag p99"),

@@ -47,7 +47,7 @@ def panels() -> list[Builder]:
         timeseries("NIXL failed transfers / failed notifications",
                    "vllm:nixl_num_failed_transfers includes failed handshakes and failed notifications; "
                    "vllm:nixl_num_failed_notifications counts the latter again. Lease expiries are never "
-                   "counted here (DESIGN.md invariant 9).",
+                   "counted here (docs/lease-model.md invariant 9).",
                    [Query(sum_rate(FAILED_XFERS, I, W, F), "{{instance}} failed transfers"),
                     Query(sum_rate(FAILED_NOTIFS, I, W, F), "{{instance}} failed notifications")], "ops"),
         timeseries("Expired requests: vLLM vs LeaseKit",

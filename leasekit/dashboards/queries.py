@@ -4,7 +4,7 @@ Every function returns PromQL text. ``matchers`` is the label-matcher list witho
 dashboard passes :data:`DASHBOARD_FILTER` so every panel honours the ``$job``/``$instance``
 variables, the rules pass ``""`` (they evaluate over every scraped server).
 
-Aggregation rules (from :mod:`leasekit.telemetry.metrics` help texts, DESIGN.md invariant 9):
+Aggregation rules (from :mod:`leasekit.telemetry.metrics` help texts, docs/lease-model.md invariant 9):
 gauges of open leases and pinned blocks are reported by every P TP rank for the same requests
 (each rank pins its shard of the same blocks), so a server's value is the **sum over engines of
 the max over ranks** (:func:`per_instance_gauge`); summing ranks would multiply by TP size.

@@ -33,7 +33,7 @@ start; ``vllm:cache_config_info`` carries it) with ``leasekit dashboards build -
 
 GAP_NEAR_EXTENSION = 0.8
 """LeaseHeartbeatGapNearExtension fires when heartbeat gap p99 > this fraction of ``E``: a gap
-above ``E`` expires the lease (DESIGN.md: ``expiry = max(expiry, now + E)``)."""
+above ``E`` expires the lease (docs/lease-model.md: ``expiry = max(expiry, now + E)``)."""
 
 ALERT_NAMES = (
     "LeaseExpiries", "LeaseExpiriesWhileDecodeHealthy", "LeaseLateCompletions", "LeaseReclaimLagOverBound",

@@ -1,4 +1,4 @@
-"""The bound formulas every check is held to (DESIGN.md, "Bounds"). All values are seconds.
+"""The bound formulas every check is held to (docs/lease-model.md, "Bounds"). All values are seconds.
 
 - Reclaim after D goes silent: ``reap_time <= max(grant + L, last_delivered_hb + E) + tick``.
 - No false expiry while D is healthy: a D stall shorter than ``E - H`` never expires a lease.

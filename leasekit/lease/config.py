@@ -74,7 +74,7 @@ def _check_duration(lease_duration_s: object) -> float | int:
 
 
 def lint_timing_findings(timing: "LeaseTiming", *, field: str = "kv_lease_duration") -> list[LintFinding]:
-    """Findings for the config edges of DESIGN.md ("Bounds"), each with its fix; [] when clean.
+    """Findings for the config edges of docs/lease-model.md ("Bounds"), each with its fix; [] when clean.
 
     - ``E == 0`` (``L < 2``), error: heartbeats extend nothing; every lease expires at ``grant + L``.
     - ``0 < E <= H``, error: a lease can expire between two delivered heartbeats.

@@ -11,7 +11,7 @@ Verdict rules (first match wins; sources in brackets):
   (``leasekit_kv_lease_late_completions{fail_closed!="true"}``), or vLLM's
   ``vllm:nixl_num_notifications_after_expiry`` above LeaseKit's fail-closed late completions (a stock
   P counts every late read there): D read blocks of a lease P had already ended, so the read may have
-  used freed or reused KV blocks [DESIGN.md invariant 5; vllm 0.32.0 ``nixl/stats.py`` "the reader
+  used freed or reused KV blocks [docs/lease-model.md invariant 5; vllm 0.32.0 ``nixl/stats.py`` "the reader
   may have consumed KV blocks that were already reused"].
 - ``DEGRADED``: late completions from fail-closed D agents only: P told D to discard those reads
   (docs/fail-closed.md), so they cost a recompute, not wrong tokens.

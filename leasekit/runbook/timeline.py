@@ -3,7 +3,7 @@
 Names of spans, events and attributes: :mod:`leasekit.telemetry.semconv` (docs/telemetry.md).
 Times of a ``kv_lease`` span are shown relative to its grant on P's own monotonic clock
 (``leasekit.*_monotonic_s``), the clock its deadlines live on; spans of other processes (D side)
-can only be placed on the wall clock, relative to the earliest grant's wall time (DESIGN.md
+can only be placed on the wall clock, relative to the earliest grant's wall time (docs/lease-model.md
 invariant 4: no deadline of one process is compared with another's clock).
 """
 
@@ -44,7 +44,7 @@ def _identity(span: SpanRecord) -> dict[str, Any]:
 def bound_check(span: SpanRecord, tick_s: float | None = None) -> dict[str, Any]:
     """The reclaim-bound check of one ended ``kv_lease`` span; times in seconds after the grant.
 
-    Rule (DESIGN.md "Bounds", :func:`leasekit.lease.bounds.reclaim_deadline`): an expired lease may
+    Rule (docs/lease-model.md "Bounds", :func:`leasekit.lease.bounds.reclaim_deadline`): an expired lease may
     be reclaimed from ``deadline = max(grant + L, last_extend + E)`` and must be by
     ``deadline + tick``. ``tick_s`` is P's step-period allowance; None uses the step gap the span
     recorded (``leasekit.step_gap_s``, the tick this reap waited on).
@@ -93,7 +93,7 @@ def bound_check(span: SpanRecord, tick_s: float | None = None) -> dict[str, Any]
                + ("none" if last is None else f"{float(last) - grant + E:.3f}") + f") = {deadline - grant:.3f} s")
     if end < deadline - EPSILON_S:
         return {"verdict": PREMATURE, "detail": f"reclaimed {deadline - end:.3f} s BEFORE its deadline {formula}: "
-                "a premature reclaim (DESIGN.md invariant 2)", **out}
+                "a premature reclaim (docs/lease-model.md invariant 2)", **out}
     if tick_s is None:
         return {"verdict": UNKNOWN, "detail": f"deadline {formula}, reclaimed {end - deadline:.3f} s after it; "
                 "no step gap recorded: pass --tick to check the bound", **out}

@@ -1,4 +1,4 @@
-"""Checkers for DESIGN.md's invariants over a finished :class:`~leasekit.sim.world.World`.
+"""Checkers for the invariants (docs/lease-model.md) over a finished :class:`~leasekit.sim.world.World`.
 
 Each returns a list of violations (human-readable strings; empty = holds). They read the world's
 own observations (step instants, heartbeat arrivals and processing, block pools), not the lease

@@ -9,7 +9,7 @@ are not printed twice.
 
 Levels: grant, extend, release: DEBUG (volume O(requests x heartbeats) for extends); abort: INFO;
 expire: WARNING (blocks reclaimed from a D that went silent); late read: ERROR (a read may have
-used freed blocks, DESIGN.md invariant 5), WARNING when the reading D fails closed (``fail_closed=true``:
+used freed blocks, docs/lease-model.md invariant 5), WARNING when the reading D fails closed (``fail_closed=true``:
 P told it to discard the read, docs/fail-closed.md). Heartbeat send failures (D): WARNING, at most one
 record per ``interval_s`` with the count of suppressed ones.
 """

@@ -12,7 +12,7 @@ next to vLLM's own ``vllm:nixl_*`` metrics (:data:`VLLM_NIXL_METRICS`, untouched
 Every metric carries vLLM's per-engine labels ``model_name`` and ``engine`` (the engine index
 inside one server) plus the labels listed here. No request ids as labels: per-request detail is
 in the lease spans. Counters say in their help text whether they count per request or per TP rank
-(DESIGN.md invariant 9). All times are seconds.
+(docs/lease-model.md invariant 9). All times are seconds.
 
 Remote peers: P-side metrics carry ``remote_agent``, the NIXL agent name of the D worker whose
 notification (heartbeat or read completion) P received. P cannot label by D's engine id: in pull

@@ -11,7 +11,7 @@ LEASE_SPAN_NAME = "kv_lease"
 
 LATE_READ_SPAN_NAME = "kv_lease_late_read"
 """A zero-length span: a read completion arrived for a lease P had already expired (the read may
-have used freed blocks; DESIGN.md invariant 5)."""
+have used freed blocks; docs/lease-model.md invariant 5)."""
 
 # Span events, one per lease transition (etcd lessor.go names every transition the same way).
 EVENT_GRANT = "grant"

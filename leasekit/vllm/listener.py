@@ -6,7 +6,7 @@ binds a ZMQ ``ROUTER`` socket on ``VLLM_NIXL_SIDE_CHANNEL_HOST:PORT`` and answer
 msgpack(time.perf_counter())]``. It decodes with no error handling, so one request that is not
 msgpack, not a 3-element array, names an unknown rank, or arrives in other than 3 frames raises in
 the thread and ends it for good: ``/health`` stays 200 but no new D can ever connect (measured,
-DESIGN.md "Real components").
+README, "Set up and run").
 
 :func:`serve_handshakes` is the same listener with the same wire behaviour for good requests, that
 classifies every request first (:func:`check_request`), refuses a bad one, counts it by a bounded
