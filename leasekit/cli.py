@@ -183,10 +183,21 @@ def _cmd_chaos_run(args: argparse.Namespace) -> int:
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     label = "all" if args.all else "-".join(s.name for s in scenarios)[:80]
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / f"{stamp}-{label}"
+    if getattr(args, "testbed", None):
+        if args.pair or args.plan:
+            print("leasekit: --testbed builds its own pair file: pass it without --pair and --plan", file=sys.stderr)
+            return EXIT_USAGE
+        return _run_on_testbed(args, runs, run_dir)
     if args.plan:  # every command the run would execute; nothing is executed or created
         from leasekit.chaos.plan import build_plan
 
-        built = build_plan(runs, deployment, run_dir)
+        from leasekit.chaos.faults import FaultError
+
+        try:
+            built = build_plan(runs, deployment, run_dir)
+        except (ValueError, FaultError) as exc:  # the run would refuse it too: a message, no traceback
+            print(f"leasekit: cannot plan this run: {exc}", file=sys.stderr)
+            return EXIT_USAGE
         print(json.dumps(built.to_json(), indent=2) if args.output == "json" else built.text(), end="" if args.output != "json" else "\n")
         return EXIT_OK
     if deployment is not None and (problem := _check_hosts(deployment, runs)):
@@ -203,6 +214,35 @@ def _cmd_chaos_run(args: argparse.Namespace) -> int:
     if report["status"] != "completed" or report["harness_errors"]:
         return EXIT_HARNESS
     return {"PASS": EXIT_OK, "FAIL": EXIT_FAIL}.get(report["verdict"], EXIT_UNKNOWN)
+
+
+def _suite_exit(suite, report: dict) -> int:
+    if report["status"] == "interrupted":
+        return EXIT_SIGTERM if suite.interrupt_signal == "SIGTERM" else EXIT_SIGINT
+    if report["status"] != "completed" or report["harness_errors"]:
+        return EXIT_HARNESS
+    return {"PASS": EXIT_OK, "FAIL": EXIT_FAIL}.get(report["verdict"], EXIT_UNKNOWN)
+
+
+def _run_on_testbed(args: argparse.Namespace, runs, run_dir: Path) -> int:
+    """``--testbed two-hosts``: build the two SSH hosts and their pair file in ``run_dir``, run the
+    suite on it, tear everything down (also on Ctrl-C / SIGTERM)."""
+    from leasekit.chaos.suite import Suite, interrupts_as_keyboard_interrupt
+    from leasekit.cluster.twohosts import TwoHostDeployment
+
+    problem = _writable_dir(run_dir)
+    if problem:
+        print(f"leasekit: --run-dir {run_dir} is not a writable directory ({problem})", file=sys.stderr)
+        return EXIT_USAGE
+    with interrupts_as_keyboard_interrupt(), TwoHostDeployment(run_dir) as testbed:  # Ctrl-C, SIGTERM: torn down
+        print(f"leasekit: two SSH hosts up ({testbed.testbed.address('prefill')}, {testbed.testbed.address('decode')}); "
+              f"pair file {testbed.pair_path}", file=sys.stderr)
+        if (problem := _check_hosts(testbed.pair, runs)):
+            print(f"leasekit: {problem}", file=sys.stderr)
+            return EXIT_USAGE
+        suite = Suite(runs, run_dir, start_timeout_s=args.start_timeout, deployment=testbed.pair)
+        report = suite.execute()
+    return _suite_exit(suite, report)
 
 
 def _cmd_bounds(args: argparse.Namespace) -> int:
@@ -263,6 +303,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds each server may take to start (default 300)")
     p_run.add_argument("--pair", metavar="FILE", help="a pair file (pairs/*.toml): hosts, devices, model, TP, ports "
                        "of the P/D pair to start (default: the CPU pair, pairs/cpu-local.toml)")
+    p_run.add_argument("--testbed", choices=("two-hosts",),
+                       help="two-hosts: build two SSH hosts on this machine (a network namespace and an sshd each, keys "
+                            "made for the run), write their pair file into the run dir, run P on one and D on the other, "
+                            "tear it all down (needs root, ip, nft, sshd)")
     p_run.add_argument("--plan", action="store_true",
                        help="print every command the run would execute, per host, and exit; nothing is executed")
     p_run.add_argument("-o", "--output", choices=("text", "json"), default="text", help="format of --plan")

@@ -9,11 +9,11 @@ import time
 from dataclasses import dataclass, field
 
 from leasekit.chaos.faults import FreezerStall, KillFault, SigstopStall
+from leasekit.chaos.faults.onhost import FaultFile, HostFreezerStall, HostPartitionInjector, HostSigstopStall, host_of, remote_site
 from leasekit.chaos.faults.partition import PartitionInjector, PartitionSite, cuts_heartbeats, partition_rules
 from leasekit.chaos.schema import HeartbeatFault, KillFault as KillSpec, NoFault, PartitionFault, StallFault
 from leasekit.cluster.pair import PDPair
 from leasekit.lease.config import LeaseTiming
-from leasekit.vllm.faultpoints import read_state, write_control
 
 
 def not_injectable(fault, target_connectors: dict[str, str]) -> str | None:
@@ -136,9 +136,9 @@ class FaultRun:
     def _stall(self, fault: StallFault) -> None:
         server = self._server(fault)
         if fault.method == "forward_pass":
-            path = str(self.pair.fault_file(fault.target))
+            control = FaultFile(self.pair, fault.target)
             start, wall = time.monotonic(), time.time()
-            seq = write_control(path, {"forward_stall_s": fault.duration_s})
+            seq = control.write({"forward_stall_s": fault.duration_s})
             self._progress(f"fault: forward-pass stall of {fault.duration_s:g} s asked on {fault.target}")
             record = {"kind": "forward_pass_stall", "target": fault.target, "seconds": fault.duration_s,
                       "injected_monotonic_s": start, "injected_wall_s": wall}
@@ -146,7 +146,7 @@ class FaultRun:
             deadline = start + fault.duration_s + 30
             state = None
             while time.monotonic() < deadline:
-                state = read_state(path) or {}
+                state = control.state() or {}
                 if state.get("seq") == seq and state.get("stalls"):
                     break
                 time.sleep(0.1)
@@ -162,7 +162,10 @@ class FaultRun:
                                      f"forward-pass stall of {fault.duration_s:g} s on {fault.target}")
             self.windows.append((start, start + fault.duration_s, f"forward-pass stall {fault.target}"))
             return
-        injector = SigstopStall(server.pids) if fault.method == "sigstop" else FreezerStall(server.pids)
+        if host_of(server) is not None:  # on the server's own host
+            injector = HostSigstopStall(server) if fault.method == "sigstop" else HostFreezerStall(server)
+        else:
+            injector = SigstopStall(server.pids) if fault.method == "sigstop" else FreezerStall(server.pids)
         self.records.append(injector.record)
         self._cleanups.append(injector.cleanup)
         try:
@@ -182,11 +185,11 @@ class FaultRun:
         self.windows.append((start, time.monotonic(), f"{fault.method} {fault.target} {fault.duration_s:g} s"))
 
     def _heartbeats(self, fault: HeartbeatFault) -> None:
-        path = str(self.pair.fault_file("decode"))
+        control_file = FaultFile(self.pair, "decode")
         control = {"heartbeats": {"drop_next": fault.drop_next, "drop_fraction": fault.drop_fraction,
                                   "delay_s": fault.delay_s, "duplicate": fault.duplicate, "delay_next_s": fault.delay_next_s}}
         start, wall = time.monotonic(), time.time()
-        seq = write_control(path, control)
+        seq = control_file.write(control)
         self._progress(f"fault: heartbeat faults on D {control['heartbeats']}")
         record = {"kind": "heartbeats", **control["heartbeats"], "injected_monotonic_s": start, "injected_wall_s": wall}
         self.records.append(record)
@@ -200,7 +203,7 @@ class FaultRun:
                     and st.get("duplicated", 0) >= (1 if fault.duplicate > 1 else 0))
 
         while time.monotonic() < deadline:
-            state = read_state(path) or {}
+            state = control_file.state() or {}
             if state.get("seq") != seq:
                 state = {}
             elif done(state):
@@ -222,19 +225,23 @@ class FaultRun:
                                    f"{state.get('delayed', 0)} delayed, {state.get('duplicated', 0)} duplicated"))
         if fault.duration_s:
             time.sleep(max(0.0, start + fault.duration_s - time.monotonic()))
-            write_control(path, {})
+            control_file.write({})
         self.windows.append((start, time.monotonic(), f"heartbeats: drop {fault.drop_next}"))
 
     def _partition(self, fault: PartitionFault) -> None:
         """Put the partition's rules in place in ``fault.target``'s host and return: a partition overlaps
         the faults after it, and :meth:`finish_partition` lifts it when its ``duration_s`` is over. One
         that silences D's heartbeats marks the instant D went silent (the reclaim bound counts from it)."""
-        site = PartitionSite.of_pair(self.pair)  # FaultError without two hosts
+        site = remote_site(self.pair) or PartitionSite.of_pair(self.pair)  # FaultError without two hosts
         rules = partition_rules(fault.path, fault.direction, fault.action, fault.loss_percent, fault.target, site)
         what = f"{fault.path} {fault.direction} ({fault.action}{f' {fault.loss_percent:g} %' if fault.action == 'loss' else ''})"
-        injector = PartitionInjector(site.namespace(fault.target), rules, details={
-            "path": fault.path, "direction": fault.direction, "action": fault.action,
-            "loss_percent": fault.loss_percent, "target": fault.target})
+        details = {"path": fault.path, "direction": fault.direction, "action": fault.action,
+                   "loss_percent": fault.loss_percent, "target": fault.target}
+        host = host_of(self._server(fault))
+        if host is not None:  # nft on the target's own host, its SSH port kept out of the rules
+            injector = HostPartitionInjector(host, rules, ssh_port=getattr(host, "port", 22), details=details)
+        else:
+            injector = PartitionInjector(site.namespace(fault.target), rules, details=details)
         self.records.append(injector.record)
         self._cleanups.append(injector.cleanup)
         injector.inject()
@@ -275,6 +282,4 @@ class FaultRun:
             except Exception:  # noqa: BLE001 - cleanup must go on
                 pass
         for role in ("prefill", "decode"):
-            path = self.pair.fault_file(role)
-            if path.exists():
-                write_control(str(path), {})
+            FaultFile(self.pair, role).clear()

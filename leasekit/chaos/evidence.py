@@ -5,7 +5,8 @@
   :func:`leasekit.telemetry.vllm_log.write_logging_config`); times are P's wall clock.
 
 Instants measured by the runner (a fault, an HTTP answer) are converted to that clock: to P's
-monotonic clock by the measured time-namespace offset, or to the wall clock directly (same host;
+monotonic clock by the measured time-namespace offset (P on another host: that host's clock read over
+SSH plus P's offset read there; its spans and log are first copied here), or to the wall clock directly (same host;
 if P runs under libfaketime its log clock is not the host's and the conversion is refused).
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from leasekit.chaos.faults.onhost import monotonic_offset_on_host
 from leasekit.chaos.leases import LeaseTimeline, lease_timelines
 from leasekit.cluster.clocks import to_process_monotonic
 from leasekit.cluster.pair import PDPair
@@ -64,6 +66,7 @@ class EvidenceReader:
     def read(self, request_ids: list[str]) -> Evidence:
         """Everything P recorded about ``request_ids`` so far."""
         wanted = set(request_ids)
+        self.collect()
         if self.target == "leasekit":
             result = read_span_dir(self.pair.span_dir)
             leases = [l for l in lease_timelines(result.spans) if l.request_id in wanted]
@@ -88,6 +91,40 @@ class EvidenceReader:
         evidence.open_ids = [rid for rid in request_ids if rid not in ended]
         return evidence
 
+    def collect(self) -> None:
+        """Bring P's evidence here when P runs on another host: its span files (``spans/`` of its run
+        directory there, into :attr:`PDPair.span_dir`) and its log (into its ``log_path``)."""
+        server = self.pair.prefill
+        host = getattr(server, "host", None)
+        if host is None or host.closed:
+            return
+        if self.target == "leasekit":
+            rc, out, _ = host.run(["find", f"{server.run_dir}/spans", "-type", "f"], timeout_s=60)
+            for path in out.split() if rc == 0 else []:
+                host.fetch(path, self.pair.span_dir / path.rsplit("/spans/", 1)[1])
+        else:
+            server.fetch_log()
+
+    def p_clock_offset_s(self) -> float | None:
+        """P's monotonic clock minus this process's ``time.monotonic()``, seconds, when P runs on
+        another host: the host's clock (:meth:`Host.perf_counter`) plus P's time-namespace offset read
+        there (``/proc/<pid>/timens_offsets``); None when P runs here."""
+        server = self.pair.prefill
+        host = getattr(server, "host", None)
+        if host is None:
+            return None
+        pgid = server.api_server_pid()
+        if pgid is None:
+            raise ClockMismatch(f"P is gone from host {host.name}: cannot read its time-namespace offset")
+        cached = getattr(self, "_p_offset", None)
+        if cached is not None and cached[0] == pgid:  # one P process: one offset
+            return cached[1]
+        namespace = monotonic_offset_on_host(host, pgid)
+        if namespace is None:
+            raise ClockMismatch(f"P is gone from host {host.name}: cannot read its time-namespace offset")
+        self._p_offset = (pgid, host.perf_counter().offset_s + namespace)
+        return self._p_offset[1]
+
     def wait_ended(self, request_ids: list[str], timeout_s: float) -> Evidence:
         """Poll until every request's lease ended or ``timeout_s`` passed; the last evidence."""
         deadline = time.monotonic() + timeout_s
@@ -107,6 +144,9 @@ class EvidenceReader:
             if self.pair.spec.prefill_wall_offset_s or self.pair.spec.prefill_wall_rate != 1.0:
                 raise ClockMismatch("P runs under libfaketime: its log timestamps are not the host's wall clock")
             return runner_wall_s
+        offset = self.p_clock_offset_s()
+        if offset is not None:  # P on another host: its clock, read there
+            return runner_monotonic_s + offset
         pid = self.pair.prefill.api_server_pid()
         if pid is None and getattr(self.pair, "shares_host_clock", False):
             return runner_monotonic_s  # an external P on this host, in its time namespace

@@ -21,6 +21,7 @@ from leasekit.chaos.checks import (
     check_steady_state,
 )
 from leasekit.chaos.evidence import ClockMismatch, Evidence, EvidenceReader
+from leasekit.chaos.faults.onhost import host_of, monotonic_offset_on_host
 from leasekit.chaos.plot import plot_timeline
 from leasekit.chaos.result import ScenarioResult
 from leasekit.chaos.scenario import Scenario
@@ -102,7 +103,8 @@ class ScenarioExecution:
                 continue
             server = self.pair.prefill if role == "prefill" else self.pair.decode
             pid = server.api_server_pid()
-            measured = None if pid is None else monotonic_namespace_offset_s(pid)
+            host = host_of(server)  # on another host: read there
+            measured = None if pid is None else monotonic_offset_on_host(host, pid) if host else monotonic_namespace_offset_s(pid)
             effects.append(Effect(f"{role} monotonic clock +{offset:g} s", measured is not None and abs(measured - offset) < 1e-6,
                                   f"/proc/{pid}/timens_offsets: monotonic {measured}"))
         return effects
@@ -348,6 +350,9 @@ class ScenarioExecution:
             self._plot(evidence)
         finally:
             r.duration_s = time.monotonic() - started
+            for server in (getattr(self.pair, "prefill", None), getattr(self.pair, "decode", None)):
+                if host_of(server) is not None and not server.host.closed:  # on another host: its log comes here
+                    server.fetch_log()  # None when there is none (no HostError)
         return self._decide()
 
     def _decide(self) -> ScenarioResult:

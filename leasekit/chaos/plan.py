@@ -147,6 +147,8 @@ class _Planner:
         name, phase = f"{self.count:02d}-{spec.prefill_connector}", f"pair {self.count} ({target}, L={spec.lease_duration_s:g} s): start"
         testbed = PlannedTestbed(ROLES) if spec.network_namespace else None  # P and D each on its own host
         pairs = {role: PDPair.planned(spec, self.role_run_dir(role, name), testbed=testbed) for role in ROLES}
+        if pairs["prefill"].testbed is None:  # P and D already on two other hosts: no namespaces made
+            testbed = None
         servers = {role: getattr(pairs[role], role) for role in ROLES}
         for pair in pairs.values():  # ports picked at start: placeholders
             for role in ROLES:
@@ -253,7 +255,10 @@ class _Planner:
                 self.add(self.host("decode"), phase, f"{fault.duration_s:g} s later, end them", write=path, content=json.dumps({"seq": SEQ}))
         elif isinstance(fault, PartitionFault):
             when = "before the first request: " if fault.first_handshake else when
-            self.add_all(LOCAL, phase, partition_commands(cur["pairs"][fault.target], fault), when)
+            if cur["testbed"] is None:  # P and D on two other hosts: nft on the target's own host
+                self.add_all(self.host(role), phase, host_partition_commands(self.dep, cur["pairs"][role], fault), when)
+            else:
+                self.add_all(LOCAL, phase, partition_commands(cur["pairs"][role], fault), when)
 
 
 def _freezer_where(local: bool) -> tuple[str, str]:
@@ -280,13 +285,63 @@ def partition_commands(pair, fault: PartitionFault) -> list[dict]:
     ]
 
 
+def host_partition_commands(deployment: PairFile, pair, fault: PartitionFault) -> list[dict]:
+    """The commands of a partition fault on a (planned) pair whose P and D run on two other hosts of
+    ``deployment``, as plan steps on the target's host, as the run does it
+    (:class:`leasekit.chaos.faults.onhost.HostPartitionInjector`): ``nft`` in the host's own network stack,
+    an ``accept`` for the host's SSH port at the head of each chain first (the controller's SSH connection
+    carries the host agent's heartbeat), the rules naming the peer host's address, the wait, the packet
+    counters, then the rules and the SSH guards removed.
+
+    Raises:
+        ValueError: P or D runs on this machine (a partition needs P and D on two other hosts, or
+            ``launch.network_namespace`` on one machine), or the fault's fields are invalid.
+    """
+    from leasekit.chaos.faults.partition import PartitionSite, partition_plan
+
+    names = {role: deployment.role(role).host for role in ROLES}
+    local = [role for role in ROLES if deployment.is_local(names[role])]
+    if local:
+        raise ValueError(f"a partition needs P and D on two hosts, but {' and '.join(local)} run(s) on this machine "
+                         f"(host {names[local[0]]!r}); fix: put [prefill] and [decode] on two [hosts] reachable over SSH, "
+                         "or both on this machine (the scenario's network namespaces then make the two hosts)")
+
+    def port(role: str, kind: str) -> int | str:
+        return getattr(getattr(pair, role), f"{kind}_port") or f"<{role} {kind.replace('_', '-')} port>"
+
+    site = PartitionSite(deployment.host(names["prefill"]).address, deployment.host(names["decode"]).address,
+                         f"host {names['prefill']}", f"host {names['decode']}", port("prefill", "side_channel"),
+                         port("decode", "side_channel"), port("prefill", "http"), port("decode", "http"))
+    planned = partition_plan(fault, site=site)
+    ssh_port = deployment.host(names[fault.target]).ssh_port
+    chains = sorted({rule.chain for rule in planned.rules})
+    setup = "add table inet leasekit\n" + "".join(
+        f"add chain inet leasekit {c} {{ type filter hook {c} priority 0; policy accept; }}\n" for c in chains)
+    guards = [{"argv": ["nft", "--echo", "--handle", "insert", "rule", "inet", "leasekit", chain, "tcp",
+                        "dport" if chain == "input" else "sport", str(ssh_port), "accept"],
+               "what": f"keep the SSH port {ssh_port} out of the partition ({chain})"} for chain in chains]
+    return [
+        {"argv": ["nft", "-f", "-"], "stdin": setup, "what": f"{planned.description}: the table and chains"},
+        *guards,
+        {"argv": ["nft", "--echo", "--handle", "-f", "-"], "stdin": "".join(r.text() + "\n" for r in planned.rules),
+         "what": "the partition's rules"},
+        {"argv": ["sleep", f"{fault.duration_s:g}"], "what": "the partition (later faults run meanwhile)"},
+        {"argv": ["nft", "-a", "list", "table", "inet", "leasekit"], "what": "read the rules' packet counters (proof they matched)"},
+        *({"argv": ["nft", "delete", "rule", "inet", "leasekit", rule.chain, "handle", f"<handle of rule {i + 1}>"],
+           "what": "lift the partition"} for i, rule in enumerate(planned.rules)),
+        *({"argv": ["nft", "delete", "rule", "inet", "leasekit", chain, "handle", f"<handle of the SSH guard in {chain}>"],
+           "what": "remove the SSH guard"} for chain in chains),
+    ]
+
+
 def build_plan(runs: list[tuple[Scenario, str]], deployment: PairFile | None, run_dir: str | Path) -> Plan:
     """The plan of a suite over ``runs`` (in run order, see :func:`leasekit.chaos.suite.plan`) with
     ``deployment`` (None: the CPU default), whose reports would go to ``run_dir``. Executes nothing
     and creates nothing.
 
     Raises:
-        ValueError: a fault or launch condition out of range (as the run would).
+        ValueError: a fault or launch condition out of range, or a partition on a pair whose P and D
+            cannot be parted (as the run would); ``leasekit chaos run --plan`` prints it and exits 2.
     """
     from leasekit.chaos.suite import _needs_pair
 
@@ -312,8 +367,7 @@ def build_plan(runs: list[tuple[Scenario, str]], deployment: PairFile | None, ru
              "with the same commands; a ready spare is held with SIGSTOP until used"]
     if deployment.remote_roles():
         notes.append("remote hosts are driven over SSH; their commands run in the host's run directory under its workdir")
-        netted = sorted({s.name for s, _ in runs if s.launch.network_namespace})
-        if netted:
-            notes.append("the two-host network testbed (namespaces, bridge, nftables) is built on this machine; with servers "
-                         f"on other hosts its partitions need nftables on those hosts instead, which this plan does not show: {', '.join(netted)}")
+        if any(s.launch.network_namespace for s, _ in runs):
+            notes.append("P and D are on two hosts already: no network namespaces are made; a partition's nftables "
+                         "rules run on the target's host, with that host's SSH port kept out of them")
     return Plan(str(run_dir), hosts, planner.steps, notes)

@@ -10,6 +10,11 @@ from leasekit.chaos.scenario import Scenario
 from leasekit.cluster.pair import PairSpec, PDPair
 
 
+def _remote(spec: PairSpec) -> bool:
+    """Whether ``spec`` runs a server on another host (no idle spares there: no head start)."""
+    return spec.deployment is not None and bool(spec.deployment.remote_roles())
+
+
 def pair_spec(scenario: Scenario, target: str, deployment=None) -> PairSpec:
     """The pair ``scenario`` needs on ``target`` (``leasekit``: fault-control files on; ``stock``:
     millisecond lease logging on, the stock connector's only evidence), deployed as ``deployment``
@@ -115,7 +120,7 @@ class PairPool:
     def prefetch_decode(self, count: int = 1) -> None:
         """Keep ``count`` spare Ds for the current pair starting in the background, each to
         replace D when a scenario kills it. Failures only cost the head start."""
-        if self.current is None:
+        if self.current is None or _remote(self.current.spec):
             return
         try:
             while len(self.spare_decodes) < count:
@@ -126,7 +131,7 @@ class PairPool:
     def prefetch_pair(self, spec: PairSpec) -> None:
         """Start the pair for ``spec`` in the background (if not already), for a later
         ``get(spec)``. Failures only cost the head start."""
-        if spec.launch_key() in self.spare_pairs:
+        if spec.launch_key() in self.spare_pairs or _remote(spec):
             return
         try:
             self.spare_pairs[spec.launch_key()] = self._new_pair(spec).launch(idle=True)

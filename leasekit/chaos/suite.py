@@ -71,6 +71,18 @@ def interrupts_as_keyboard_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, saved)
 
 
+def _teardown_hosts() -> None:
+    """Stop the servers on other hosts and tear those hosts down (:func:`leasekit.cluster.remote.teardown_hosts`).
+
+    Raises:
+        RuntimeError: a host could not be torn down (its watchdog cleans it after ``stale_s``)."""
+    from leasekit.cluster.remote import teardown_hosts
+
+    problems = teardown_hosts()
+    if problems:
+        raise RuntimeError("; ".join(problems))
+
+
 def _destructive(scenario: Scenario) -> bool:
     """The scenario kills a server (its pair is then restarted or dropped)."""
     return any(isinstance(f, KillFault) for f in scenario.faults)
@@ -246,7 +258,8 @@ class Suite:
                     steps.append(("release D's slot", self._current.load.release_slot))
                 if self._current.fault_run is not None:
                     steps.append(("undo the fault in flight", self._current.fault_run.cleanup))
-            steps += [("stop the servers", self.pool.close), ("remove network namespaces", cleanup_stale_namespaces),
+            steps += [("stop the servers", self.pool.close), ("tear down the SSH hosts", _teardown_hosts),
+                      ("remove network namespaces", cleanup_stale_namespaces),
                       ("remove cgroups", cleanup_stale_cgroups)]
             self._say("tearing down (up to 10 s)")
             for what, step in steps:  # each step runs even if one before failed; reports always written

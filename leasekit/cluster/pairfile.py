@@ -2,8 +2,10 @@
 device and GPUs, with which model, tensor-parallel size, ports and extra vLLM arguments.
 
 Validated with pydantic like the scenario files: strict types, unknown fields refused, every error
-naming the field, the bad value, the allowed values or range and the fix. With no pair file (or an
-empty one) the pair is the CPU default: the embedded tiny dummy-weight Llama, one core per server.
+naming the field, the bad value, the allowed values or range and the fix. With no pair file the pair
+is the CPU default: the embedded tiny dummy-weight Llama, one core per server. A file must have a
+``[prefill]`` and a ``[decode]`` table (empty tables are that default: the minimal file is those
+two lines).
 
 Checks that need the host itself (model present, GPU indices, tools) are in
 :mod:`leasekit.cluster.preflight`.
@@ -60,7 +62,8 @@ class HostSpec(_Strict):
     """``[hosts.<name>]``: a machine that runs a server.
 
     ``address``: the IP or hostname the other side reaches it at; ``ssh_port``, ``user``,
-    ``identity_file``: how leasekit reaches it over SSH; ``python``: the interpreter with vLLM and
+    ``identity_file``: how leasekit reaches it over SSH; ``known_hosts``: the known_hosts file its host key
+    is checked against (default ``~/.ssh/known_hosts``; an unknown key is refused); ``python``: the interpreter with vLLM and
     leasekit there (default: this interpreter, on this machine only); ``workdir``: run directories'
     root there (default: the run directory on this machine, ``/tmp/leasekit`` elsewhere). A host named
     ``local``, or with a loopback ``address`` and none of the SSH fields, is this machine.
@@ -70,12 +73,13 @@ class HostSpec(_Strict):
     ssh_port: int = Field(22, ge=1, le=65535)
     user: str = Field("root", min_length=1, max_length=64, pattern=r"^[a-z_][a-z0-9_.-]*$")
     identity_file: str | None = Field(None, min_length=1)
+    known_hosts: str | None = Field(None, min_length=1)
     python: str | None = Field(None, min_length=1)
     workdir: str | None = Field(None, min_length=1)
 
     def ssh_configured(self) -> bool:
         """Whether any SSH field was given."""
-        return bool(self.model_fields_set & {"ssh_port", "user", "identity_file"})
+        return bool(self.model_fields_set & {"ssh_port", "user", "identity_file", "known_hosts"})
 
     def loopback(self) -> bool:
         """Whether ``address`` is this machine's loopback."""
@@ -195,6 +199,9 @@ class PairFile(_Strict):
             if name == LOCAL and host.ssh_configured():
                 problems.append(f"hosts.{LOCAL}: this machine is not reached over SSH; fix: remove ssh_port/user/"
                                 "identity_file, or give the host another name")
+            if name != LOCAL and "address" not in host.model_fields_set:
+                problems.append(f"hosts.{name}.address: required (the IP or hostname the other server and leasekit reach "
+                                f"it at); fix: e.g. address = '10.0.0.12', or address = '127.0.0.1' for this machine")
             if not self.is_local(name) and host.python is None:
                 problems.append(f"hosts.{name}.python: required for a remote host (the interpreter with vLLM and "
                                 "leasekit there); fix: e.g. python = '/opt/leasekit/.venv/bin/python'")
@@ -207,6 +214,7 @@ class PairFile(_Strict):
                 problems.append(f"{role}.model: a path on remote host {spec.host!r} must be absolute, got {spec.model!r}")
             problems.extend(spec.problems(role))
         problems.extend(self._pair_problems())
+        problems.extend(self._reach_problems())
         if problems:
             raise ValueError("\n  ".join(problems))
         return self
@@ -217,12 +225,23 @@ class PairFile(_Strict):
         if p.tiny != d.tiny or (not p.model_is_path() and not d.model_is_path() and p.model != d.model):
             out.append(f"decode.model: P and D must serve the same model (D reads P's KV blocks), got prefill.model = "
                        f"{p.model or '(tiny)'!r} and decode.model = {d.model or '(tiny)'!r}; fix: give both the same model")
-        if (p.dtype or "auto") != (d.dtype or "auto") and not (p.tiny and d.tiny):
-            out.append(f"decode.dtype: P and D must use the same dtype (the KV layout), got {p.dtype} and {d.dtype}")
+        dtypes = [spec.dtype or ("float32" if spec.tiny else "auto") for spec in (p, d)]  # unset: what the server gets
+        if dtypes[0] != dtypes[1]:
+            out.append(f"decode.dtype: P and D must use the same dtype (the KV layout), got prefill.dtype = {dtypes[0]!r} "
+                       f"and decode.dtype = {dtypes[1]!r}; fix: give both the same dtype (or leave both out)")
+        for role, spec in (("prefill", p), ("decode", d)):
+            if spec.http_port and spec.http_port == spec.side_channel_port:
+                out.append(f"{role}.side_channel_port: {spec.side_channel_port} is also {role}.http_port; fix: another port")
         if self.host_key(p.host) == self.host_key(d.host):
-            for port in ("http_port", "side_channel_port"):
-                if getattr(p, port) and getattr(p, port) == getattr(d, port):
-                    out.append(f"decode.{port}: {getattr(d, port)} is also prefill.{port} on the same host; fix: another port")
+            ports = ("http_port", "side_channel_port")
+            for d_port in ports:
+                for p_port in ports:
+                    if getattr(p, p_port) and getattr(p, p_port) == getattr(d, d_port):
+                        out.append(f"decode.{d_port}: {getattr(d, d_port)} is also prefill.{p_port} on the same host "
+                                   f"({d.host!r}); fix: another port (or 0: a free one picked at start)")
+            if p.model_is_path() and d.model_is_path() and p.model != d.model:
+                out.append(f"decode.model: P and D on the same host must load the same model directory (D reads P's KV "
+                           f"blocks), got prefill.model = {p.model!r} and decode.model = {d.model!r}; fix: the same path for both")
             shared = sorted(set(p.cuda_visible_devices or []) & set(d.cuda_visible_devices or []))
             if shared and (p.gpu_memory_utilization or 0.9) + (d.gpu_memory_utilization or 0.9) > 1.0:
                 out.append(f"decode.gpu_memory_utilization: P and D share GPU(s) {shared} on host {d.host!r}, so their "
@@ -231,6 +250,21 @@ class PairFile(_Strict):
                 out.append(f"decode.cpus: shares cores {sorted(set(p.cpus) & set(d.cpus))} with prefill.cpus on the same "
                            "host (NIXL's progress thread spins a core: a shared core starves the other server); fix: disjoint cores")
         return out
+
+    def _reach_problems(self) -> list[str]:
+        """P and D must reach each other: a server on this machine listens on loopback only (unless
+        this machine's host has another ``address``), so it cannot pair with one on another host."""
+        local = [r for r in ("prefill", "decode") if self.is_local(self.role(r).host)]
+        if len(local) != 1:
+            return []
+        here, there = local[0], "decode" if local[0] == "prefill" else "prefill"
+        here_host, there_host = self.role(here).host, self.role(there).host
+        if not self.host(here_host).loopback() or self.host(there_host).loopback():
+            return []  # this machine has an address the other reaches, or the other host is this machine too
+        return [f"{here}.host: {here} runs on this machine ({here_host!r}, listening on 127.0.0.1 only) and {there} on "
+                f"host {there_host!r} ({self.host(there_host).address}): they could not reach each other; fix: put both "
+                f"on [hosts] reachable from each other, or give this machine an address {there_host!r} reaches "
+                f"([hosts.{here_host}] address = '...')"]
 
     def host(self, name: str) -> HostSpec:
         """The host called ``name`` (``local`` is this machine even when not declared)."""
@@ -276,8 +310,27 @@ def _format_error(exc: ValidationError, source: str) -> str:
             message += f" (got {err.get('input')!r})"
         if err["type"] == "extra_forbidden":
             message += "; fix: remove it or check the spelling (docs/chaos.md lists every field)"
+        else:
+            field = str(err["loc"][-1]) if err["loc"] else ""
+            message += f"; fix: {_FIXES.get(field, _FIX_DEFAULT)}"
         lines.append(f"  {_indexed(loc) or '(top level)'}: {message}")
     return "\n".join(lines)
+
+
+_FIXES = {
+    "device": "device = 'cpu' or device = 'cuda'",
+    "http_port": "a port from 1 to 65535, or 0 for a free one picked at start",
+    "side_channel_port": "a port from 1 to 65535, or 0 for a free one picked at start",
+    "ssh_port": "the host's SSH port, 1 to 65535 (default 22)",
+    "lease_duration_s": "seconds with 0 < L <= 3600, or leave it out (each scenario's lease, or --lease-duration)",
+    "dtype": f"one of {', '.join(DTYPES)}",
+    "load_format": "one of the values listed, or leave it out",
+    "tensor_parallel_size": "1 to 64, at most the GPUs in cuda_visible_devices",
+    "gpu_memory_utilization": "a share with 0 < u <= 1",
+    "kv_buffer_device": "'cpu' or 'cuda' (cuda needs device = 'cuda')",
+}
+"""The fix given with a field's type or range error, by field name."""
+_FIX_DEFAULT = "a value as stated (docs/chaos.md, 'Pair files and plans', lists every field)"
 
 
 def _indexed(loc: str) -> str:
@@ -309,7 +362,8 @@ def load_pair_file(path: str | os.PathLike[str]) -> PairFile:
     """Load and validate one pair file (TOML).
 
     Raises:
-        PairFileError: the file is missing, not UTF-8 TOML, or fails validation.
+        PairFileError: the file is missing, not UTF-8 TOML, lacks a ``[prefill]`` or ``[decode]`` table
+            (an empty file included), or fails validation.
     """
     path = Path(path)
     try:
@@ -322,5 +376,15 @@ def load_pair_file(path: str | os.PathLike[str]) -> PairFile:
         raise PairFileError(f"cannot read pair file {path}: {exc.strerror or exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise PairFileError(f"pair file {path} is not valid TOML: {exc}") from None
-    return parse_pair_file(data, str(path), path.resolve().parent)
+    missing = [table for table in ("prefill", "decode") if table not in data]
+    need = (f"(top level): no {' and no '.join(f'[{t}]' for t in missing)} table: a pair file needs a [prefill] and a "
+            "[decode] table (empty ones are the CPU default servers; the minimal file is the two lines [prefill] and "
+            f"[decode]; examples: pairs/*.toml); fix: add {' and '.join(f'[{t}]' for t in missing)}")
+    try:
+        pair = parse_pair_file(data, str(path), path.resolve().parent)
+    except PairFileError as exc:
+        raise PairFileError(f"{exc}\n  {need}" if missing else str(exc)) from None
+    if missing:
+        raise PairFileError(f"invalid pair file {path}:\n  {need}")
+    return pair
 

@@ -97,10 +97,48 @@ class RemoteVllmServer(VllmServer):
         self.http_port = self.http_port or self._free_port()
         self.side_channel_port = self.side_channel_port or self._free_port()
         self.host.check(["mkdir", "-p", str(self.run_dir)])
+        self._ship_launch_files()
         pgid = self.host.spawn(self.command(), env=self.launch_environment(), cwd=str(self.run_dir),
                                log_path=self.remote_log, name=f"{self.local_run_dir.name}-{self.spec.name}")
         self.proc, self.started_at, self.idle = RemoteProcess(self.host, pgid), time.monotonic(), False
         self.pin()
+
+    def _ship_launch_files(self) -> None:
+        """Put on the host what the launch names on this machine, and point the spec at it: a small
+        model directory made here (the tiny model's ``config.json``; at most 1 MiB) and the logging
+        config are copied into the host's run directory; the connector fault file
+        (``LEASEKIT_FAULT_FILE``) becomes a path there (the faults write it through the host); a
+        libfaketime shim (``LD_PRELOAD``) must exist there.
+
+        Raises:
+            HostError: the shim is missing on the host (with the fix)."""
+        import dataclasses
+
+        here = f"{self.local_run_dir.name}-{self.spec.name}"
+        model = Path(str(self.spec.model_dir))
+        if model.is_dir() and (model / "config.json").is_file():
+            files = [f for f in model.rglob("*") if f.is_file()]
+            if sum(f.stat().st_size for f in files) <= 1 << 20:  # one path per pair: P and D must name the same model
+                pair_model = f"model/{self.local_run_dir.name}"
+                self.host.check(["mkdir", "-p", *sorted({self.host.path(f"{pair_model}/{f.relative_to(model).parent}") for f in files})])
+                for f in files:
+                    target, data = f"{pair_model}/{f.relative_to(model)}", f.read_bytes()
+                    if self.host.run(["cmp", "-s", "-", self.host.path(target)], input=data)[0] != 0:  # not there yet
+                        self.host.write_file(target, data)
+                self.spec = dataclasses.replace(self.spec, model_dir=Path(self.host.path(pair_model)))
+        env = dict(self.spec.extra_env)
+        config = env.get("VLLM_LOGGING_CONFIG_PATH")
+        if config and Path(config).is_file():
+            self.host.check(["mkdir", "-p", self.host.path("config")])
+            env["VLLM_LOGGING_CONFIG_PATH"] = self.host.write_file(f"config/{here}-logging.json", Path(config).read_bytes())
+        if env.get("LEASEKIT_FAULT_FILE"):
+            self.host.check(["mkdir", "-p", self.host.path("faults")])
+            env["LEASEKIT_FAULT_FILE"] = self.host.path(f"faults/{here}.json")
+        shim = env.get("LD_PRELOAD")
+        if shim and self.host.run(["test", "-f", shim])[0] != 0:
+            raise HostError(f"host {self.host.name}: the libfaketime shim {shim} is not there; fix: build it on that host "
+                            "(leasekit.chaos.faults.clock) at the same path, or run the skew scenarios with P and D here")
+        self.spec = dataclasses.replace(self.spec, extra_env=env)
 
     def promote(self) -> int:
         """Resume it if parked (nothing else to do: it never starts idle); returns 0."""
@@ -217,14 +255,15 @@ _HOSTS_LOCK = threading.Lock()
 
 def host_for(name: str, host_spec, *, run_name: str | None = None) -> Host:
     """The one :class:`~leasekit.cluster.sshhost.SshHost` of pair-file host ``name``
-    (``[hosts.<name>]``: address, ssh_port, user, identity_file, python, workdir) in this process."""
+    (``[hosts.<name>]``: address, ssh_port, user, identity_file, known_hosts, python, workdir) in this process."""
     from leasekit.cluster.sshhost import SshHost
 
     key = (name, host_spec.address, host_spec.ssh_port, host_spec.user)
     with _HOSTS_LOCK:
         if key not in _HOSTS:
             _HOSTS[key] = SshHost(name, host_spec.address, port=host_spec.ssh_port, user=host_spec.user,
-                                  identity_file=host_spec.identity_file, python=host_spec.python or "python3",
+                                  identity_file=host_spec.identity_file,
+                                  known_hosts=getattr(host_spec, "known_hosts", None), python=host_spec.python or "python3",
                                   workdir=host_spec.workdir or "/tmp/leasekit", run_name=run_name)
         return _HOSTS[key]
 

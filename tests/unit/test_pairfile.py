@@ -94,6 +94,53 @@ def test_bad_pair_files_name_the_field(tmp_path, text, expected):
         assert part in message, message
 
 
+@pytest.mark.parametrize("text, expected", [
+    ('[hosts.gpu-b]\npython = "/p"\n[prefill]\nhost = "gpu-b"\n[decode]\nhost = "gpu-b"\n',
+     ["hosts.gpu-b.address: required", "fix: e.g. address = '10.0.0.12'"]),
+    ('[prefill]\nhttp_port = 8100\n[decode]\nside_channel_port = 8100\n',
+     ["decode.side_channel_port: 8100 is also prefill.http_port on the same host ('local'); fix: another port"]),
+    ('[prefill]\nside_channel_port = 5600\n[decode]\nhttp_port = 5600\n', ["decode.http_port: 5600 is also prefill.side_channel_port"]),
+    ('[prefill]\nhttp_port = 8100\nside_channel_port = 8100\n[decode]\n', ["prefill.side_channel_port: 8100 is also prefill.http_port"]),
+    ('[prefill]\ndtype = "float16"\n[decode]\n',  # the tiny model too: the KV layout
+     ["decode.dtype: P and D must use the same dtype", "prefill.dtype = 'float16' and decode.dtype = 'float32'", "fix: give both"]),
+    ('[prefill]\nmodel = "/m/a"\n[decode]\nmodel = "/m/b"\n',
+     ["decode.model: P and D on the same host must load the same model directory", "fix: the same path for both"]),
+    ('', ["(top level): no [prefill] and no [decode] table", "the minimal file is the two lines [prefill] and [decode]",
+          "fix: add [prefill] and [decode]"]),
+    ('lease_duration_s = 6\n[prefill]\n', ["(top level): no [decode] table", "fix: add [decode]"]),
+    ('[prefill]\ndevice = "tpu"\n[decode]\n', ["prefill.device: Input should be 'cpu' or 'cuda'", "fix: device = 'cpu' or device = 'cuda'"]),
+    ('[prefill]\nhttp_port = -1\n[decode]\nside_channel_port = -5\n',
+     ["prefill.http_port: Input should be greater than or equal to 0 (got -1); fix: a port from 1 to 65535, or 0",
+      "decode.side_channel_port: Input should be greater than or equal to 0 (got -5); fix: a port"]),
+    ('lease_duration_s = 0\n[prefill]\n[decode]\n', ["lease_duration_s: Input should be greater than 0 (got 0); fix: seconds with 0 < L <= 3600"]),
+    ('[hosts.gpu-b]\naddress = "10.0.0.12"\npython = "/p"\n[prefill]\n[decode]\nhost = "gpu-b"\n',
+     ["prefill.host: prefill runs on this machine ('local', listening on 127.0.0.1 only) and decode on host 'gpu-b' (10.0.0.12)",
+      "fix: put both on [hosts] reachable from each other"]),
+])
+def test_more_bad_pair_files_name_the_field_and_the_fix(tmp_path, text, expected):
+    with pytest.raises(PairFileError) as info:
+        load_text(tmp_path, text)
+    message = str(info.value)
+    for part in expected:
+        assert part in message, message
+    assert all("fix:" in line for line in message.splitlines()[1:]), message
+
+
+def test_fields_that_are_allowed(tmp_path):
+    minimal = load_text(tmp_path, "[prefill]\n[decode]\n")
+    assert minimal == PairFile() and not minimal.remote_roles()
+    mixed = load_text(tmp_path, '[hosts.local]\naddress = "10.0.0.11"\n[hosts.gpu-b]\naddress = "10.0.0.12"\npython = "/p"\n'
+                                '[prefill]\n[decode]\nhost = "gpu-b"\n')  # this machine has an address D reaches
+    assert mixed.remote_roles() == ["decode"] and server_fields(mixed, "prefill")["url_host"] == "10.0.0.11"
+    ssh_here = parse_pair_file({"hosts": {"b": {"address": "127.0.0.1", "ssh_port": 2222, "python": "/p"}},
+                                "prefill": {}, "decode": {"host": "b"}})  # over SSH, but this machine: loopback reaches it
+    assert ssh_here.remote_roles() == ["decode"]
+    two = load_text(tmp_path, '[hosts.a]\naddress = "10.0.0.1"\npython = "/p"\n[hosts.b]\naddress = "10.0.0.2"\npython = "/p"\n'
+                              '[prefill]\nhost = "a"\nmodel = "/m/a"\nhttp_port = 8100\n[decode]\nhost = "b"\nmodel = "/m/b"\n'
+                              'side_channel_port = 8100\n')  # ports and model paths are per host
+    assert two.decode.side_channel_port == 8100 and two.decode.model == "/m/b"
+
+
 def test_unreadable_files(tmp_path):
     with pytest.raises(PairFileError, match="not found"):
         load_pair_file(tmp_path / "nope.toml")
@@ -143,7 +190,7 @@ def test_hugging_face_ids_come_from_the_local_cache_only(tmp_path, monkeypatch):
 
 def test_gpu_indices_are_checked_on_their_host():
     pair = parse_pair_file({
-        "hosts": {"gpu-b": {"address": "10.0.0.12", "python": "/opt/py"}},
+        "hosts": {"local": {"address": "10.0.0.11"}, "gpu-b": {"address": "10.0.0.12", "python": "/opt/py"}},
         "prefill": {"device": "cuda", "cuda_visible_devices": [0]},
         "decode": {"host": "gpu-b", "device": "cuda", "cuda_visible_devices": [0, 3], "tensor_parallel_size": 2},
     })

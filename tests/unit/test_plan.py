@@ -149,7 +149,7 @@ def test_remote_pair_without_plan_is_refused_before_anything_starts(tmp_path, ca
 
 def test_pair_file_lease_duration_and_its_override(capsys, tmp_path):
     pair = tmp_path / "l.toml"
-    pair.write_text("lease_duration_s = 12\n")
+    pair.write_text("lease_duration_s = 12\n[prefill]\n[decode]\n")
     assert main(["chaos", "run", "kill-decode", "--pair", str(pair), "--plan", "--target", "leasekit"]) == 0
     assert '"kv_lease_duration": 12' in capsys.readouterr().out
     assert main(["chaos", "run", "kill-decode", "--pair", str(pair), "--plan", "--target", "leasekit", "--lease-duration", "9"]) == 0
@@ -199,3 +199,48 @@ def test_pytest_leasekit_pair_option(pytester, monkeypatch):
     remote.stderr.fnmatch_lines(["*prefill.host = 'gpu-a' is another machine*needs SSH host support*"])
     local = pytester.runpytest("--collect-only", "-q", f"--leasekit-pair={PAIRS / 'cpu-local.toml'}", "--leasekit-scenario=kill-decode")
     assert local.ret == pytest.ExitCode.OK and any("kill-decode[leasekit]" in line for line in local.outlines)
+
+
+@pytest.mark.parametrize("pair_file", sorted(PAIRS.glob("*.toml")), ids=lambda p: p.name)
+def test_every_scenario_plans_on_every_example_pair_file(pair_file, capsys, tmp_path):
+    # what ci/gpu-chaos.yml runs for each cell (text), and the same as data
+    argv = ["chaos", "run", "--all", "--pair", str(pair_file), "--lease-duration", "6", "--run-dir", str(tmp_path / "r"), "--plan"]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert "==== host local" in capsys.readouterr().out
+    assert main([*argv, "-o", "json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["executed"] is False and not (tmp_path / "r").exists()
+
+
+def test_two_hosts_partition_runs_nft_on_the_target_host_with_the_ssh_port_kept_out(tmp_path):
+    runs = run_order([find_scenario(n) for n in ("partition-long", "handshake-partition")], ["leasekit"])
+    plan = build_plan(runs, load_pair_file(PAIRS / "gpu-two-hosts.toml"), tmp_path)
+    every = [s for s in plan.steps if s.argv]
+    assert not any(s.argv[:2] == ["ip", "netns"] for s in every)  # two real hosts: no namespaces anywhere
+    assert not any("nft" in s.argv for s in plan.by_host()["local"] if s.argv)
+    for scenario, _ in runs:
+        (fault,) = scenario.faults
+        host, peer = ("gpu-a", "10.0.0.12") if fault.target == "prefill" else ("gpu-b", "10.0.0.11")
+        mine = [s for s in plan.by_host()[host] if s.phase.startswith(scenario.name) and s.argv and s.argv[0] == "nft"]
+        guards = [s.argv for s in mine if "insert" in s.argv]
+        assert guards and {(g[7], *g[9:]) for g in guards} <= {("input", "dport", "22", "accept"), ("output", "sport", "22", "accept")}
+        (rules,) = [s for s in mine if s.stdin and "counter" in s.stdin]
+        assert f"addr {peer}" in rules.stdin and " 22 " not in rules.stdin
+        order = [s.what for s in mine]
+        assert order.index(next(w for w in order if "SSH port" in w)) < order.index("the partition's rules")
+        assert sum("lift the partition" in w for w in order) == rules.stdin.count("add rule")
+        assert sum("remove the SSH guard" in w for w in order) == len(guards)
+    assert any("SSH port kept out" in note for note in plan.notes)
+
+
+def test_a_plan_that_cannot_be_made_is_a_message_not_a_traceback(capsys, monkeypatch):
+    from leasekit.chaos import plan as plan_module
+    from leasekit.chaos.faults import FaultError
+
+    def refuse(*args):
+        raise FaultError("a partition needs P and D on two hosts")
+
+    monkeypatch.setattr(plan_module, "build_plan", refuse)
+    assert main(["chaos", "run", "partition-long", "--plan"]) == 2
+    err = capsys.readouterr().err
+    assert "leasekit: cannot plan this run: a partition needs P and D on two hosts" in err and "Traceback" not in err

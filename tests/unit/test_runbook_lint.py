@@ -74,3 +74,31 @@ def test_usage_errors_exit_2(tmp_path, capsys):
     assert "cannot read the file" in capsys.readouterr().err
     assert run_cli(["lint"]) == 2  # nothing to lint
     assert "nothing to lint" in capsys.readouterr().err
+
+
+def test_out_of_range_lease_duration_is_a_finding_not_a_crash(capsys):
+    for value in (1e308, 3600.5, 10**400):  # 1e308 * 2 overflows: E would be nan
+        cfg = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_producer",
+                          "kv_connector_extra_config": {"kv_lease_duration": value}})
+        assert run_cli(["lint", "--kv-transfer-config", cfg, "-o", "json"]) == 1
+        report = json.loads(capsys.readouterr().out)
+        (finding,) = report["findings"]
+        assert finding["field"] == "kv_connector_extra_config.kv_lease_duration" and finding["severity"] == "error"
+        assert "0 < L <= 3600" in finding["message"] and "(0, 3600]" in finding["fix"] and report["timing"] is None
+    cfg = '{"kv_role": "kv_producer", "kv_connector_extra_config": {"kv_lease_duration": 3600}}'
+    assert run_cli(["lint", "--kv-transfer-config", cfg, "-o", "json"]) == 0  # the edge itself is fine
+    assert json.loads(capsys.readouterr().out)["timing"]["heartbeat_loss_budget"] == 2
+
+
+def test_misspelt_extra_config_key_names_the_closest_known_key(capsys):
+    cfg = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_producer",
+                      "kv_connector_extra_config": {"kv_lease_duraton": 10, "decoder_kv_block_ttl": 60,
+                                                    "some_other_setting": 1}})
+    assert run_cli(["lint", "--kv-transfer-config", cfg, "-o", "json"]) == 0  # warnings only
+    report = json.loads(capsys.readouterr().out)
+    found = {f["field"]: f for f in report["findings"]}
+    assert set(found) == {"kv_connector_extra_config.kv_lease_duraton", "kv_connector_extra_config.decoder_kv_block_ttl"}
+    typo = found["kv_connector_extra_config.kv_lease_duraton"]
+    assert typo["severity"] == "warning" and typo["fix"] == "did you mean kv_lease_duration?"
+    assert "stays at its default 30" in typo["message"] and report["timing"]["lease_duration_s"] == 30
+    assert found["kv_connector_extra_config.decoder_kv_block_ttl"]["fix"] == "did you mean decoder_kv_blocks_ttl?"

@@ -7,6 +7,7 @@ targets, and ``*_monotonic_s`` (``time.monotonic()``) / ``*_wall_s`` (``time.tim
 - :mod:`.kill`: :class:`KillFault` (whole process group or the engine core only).
 - :mod:`.stall`: :class:`SigstopStall`, :class:`FreezerStall` (cgroup v2/v1 freezer).
 - :mod:`.netns`: :class:`NetworkNamespace` with nftables rules inside it; :class:`NftFault`.
+- :mod:`.partition`: partitions between P's host and D's host (nftables in one host's namespace).
 - :mod:`.toxiproxy`: :class:`ToxiproxyClient`, :class:`ToxiproxyFault` (``TOXIPROXY_URL``).
 - :mod:`.clock`: launch-time clock faults (time-namespace prefix, libfaketime environment).
 

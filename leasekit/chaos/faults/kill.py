@@ -79,6 +79,9 @@ class KillFault:
         """
         if not self.server.alive():
             raise RuntimeError(f"cannot kill {self.server.spec.name}: it is not running")
+        if getattr(self.server, "host", None) is not None:  # a server on another host: signalled there
+            self._inject_on_host()
+            return
         pids = self.server.pids()
         targets = pids if self.scope == "group" else find_engine_core_pids(pids)
         if not targets:
@@ -116,6 +119,25 @@ class KillFault:
             # a killed process may stay a zombie until its parent reaps it: zombies count as dead
             wait_for(lambda: not any(_running(p) for p in procs), timeout_s=5.0)
             survivors = sorted(p.pid for p in procs if _running(p))
+        self.record["survivors"] = survivors
+
+    def _inject_on_host(self) -> None:
+        """:meth:`inject` for a server on another host: the group (or only the engine core, found by
+        its title there) is signalled on that host; survivors are the group's live pids there."""
+        from leasekit.chaos.faults.onhost import signal_engine_core
+
+        self.record.clear()
+        self.record.update({"kind": "kill", "scope": self.scope, "target": self.server.spec.name,
+                            "signal": self.sig.name, "host": self.server.host.name, "pids": self.server.pids()})
+        stamp(self.record, "injected")
+        if self.scope == "group":
+            self.record["pids"] = self.server.kill(self.sig) or self.record["pids"]
+            survivors = self.server.pids() if self.sig == signal.SIGKILL else []
+        else:
+            self.record["engine_core_pids"] = self.record["pids"] = signal_engine_core(self.server, self.sig)
+            if self.sig == signal.SIGKILL:
+                wait_for(lambda: not set(self.record["pids"]) & set(self.server.pids()), timeout_s=5.0)
+            survivors = sorted(set(self.record["pids"]) & set(self.server.pids())) if self.sig == signal.SIGKILL else []
         self.record["survivors"] = survivors
 
     def cleanup(self) -> None:

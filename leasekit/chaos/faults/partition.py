@@ -20,8 +20,8 @@ such a segment), while bare TCP control segments (ACK, SYN, FIN, RST without pay
 direction means what it says: with ``decode_to_prefill`` P receives nothing D sends (heartbeats,
 completions, read requests, handshake requests) while P's own sends still reach D and are acknowledged
 (LeaseKit's verdicts and acknowledgements; there is nothing else P sends unasked). That holds at the
-TCP level; above it, UCX's TCP transport may still hold D's heartbeats back behind a read whose data
-``prefill_to_decode`` stalls (measured: docs/chaos.md, "Partitions"). Dropping the
+TCP level; above it, D's heartbeats share UCX's TCP connections with the reads, and were measured to
+stop reaching P while ``prefill_to_decode`` stalled a read (docs/chaos.md, "Partitions"). Dropping the
 acknowledgements too (a one-way drop at the IP level) would stall every TCP connection between the
 hosts in both directions within one retransmission timeout (about 0.2 s here): the sender in the open
 direction hears no ACK, collapses its window to one segment and only retransmits what the receiver
