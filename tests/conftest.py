@@ -1,9 +1,12 @@
 """Shared fixtures. Tests marked ``pair`` start real vLLM servers (tens of seconds each); they fail,
-not skip, when vLLM is missing, unless ``LEASEKIT_SKIP_PAIR=1`` says so explicitly."""
+not skip, when vLLM is missing, unless ``LEASEKIT_SKIP_PAIR=1`` says so explicitly. ``shared_pair``
+is one such pair that several modules share (:mod:`tests.shared_pair`)."""
 
 import os
 
 import pytest
+
+from tests.shared_pair import SharedPair
 
 
 @pytest.fixture(scope="session")
@@ -17,3 +20,25 @@ def vllm_available():
             pytest.skip(f"LEASEKIT_SKIP_PAIR=1 and the vLLM CPU stack is missing ({exc})")
         pytest.fail(f"the vLLM CPU stack is missing ({exc}); run ./setup.sh (or set LEASEKIT_SKIP_PAIR=1)")
     return True
+
+
+_SHARED = SharedPair()
+
+
+@pytest.fixture(scope="module")
+def shared_pair(vllm_available, tmp_path_factory):
+    """The real LeaseKit P/D pair of :mod:`tests.shared_pair` (L = 6 s, P's max hold 12 s), started on
+    first use (or again if the last user left P or D unhealthy) and shared across modules."""
+    return _SHARED.get(lambda: tmp_path_factory.mktemp("shared-pair") / "run")
+
+
+@pytest.hookimpl(trylast=True)  # after pytest tore down this test's fixtures (a module's NIXL peer first)
+def pytest_runtest_teardown(item, nextitem):
+    """Stop the shared pair once the next test does not use it, so it never runs beside another pair."""
+    if nextitem is None or "shared_pair" not in nextitem.fixturenames:
+        _SHARED.stop()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Stop the shared pair if the session ended early (interrupted, ``-x``)."""
+    _SHARED.stop()

@@ -2,7 +2,10 @@
 pair (issue 6 point 8). Stock vLLM 0.32's listener thread dies on the first one (for good: no new D
 can connect while /health stays 200; tests/unit/test_handshake_listener.py shows it on vLLM's own
 code). LeaseKit P must refuse and count every bad request, keep answering handshakes, keep serving
-requests, accept a brand-new D engine, and show it all on /metrics and in ``leasekit status``."""
+requests, accept a brand-new D engine, and show it all on /metrics and in ``leasekit status``.
+
+Runs on the pair shared with tests/integration/test_hostile_peer.py (:mod:`tests.shared_pair`; that
+module may have run first: it sends no side-channel requests but leaves expired leases behind)."""
 
 import json
 import subprocess
@@ -18,12 +21,10 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from leasekit.chaos.peer import GET_META_MSG, NixlPeer, handshake_request, side_channel_request
-from leasekit.cluster.pair import PairSpec, PDPair
 from leasekit.telemetry import metrics as m
 from leasekit.vllm.listener import MAX_FRAME_BYTES, MAX_REQUEST_BYTES
 
 pytestmark = pytest.mark.pair
-L = 6
 HOST = "127.0.0.1"
 UP = m.HANDSHAKE_LISTENER_UP.name
 SERVED = m.HANDSHAKE_REQUESTS.sample_names[0]
@@ -43,9 +44,9 @@ MALFORMED = [
 
 
 @pytest.fixture(scope="module")
-def pair(vllm_available, tmp_path_factory):
-    with PDPair(PairSpec.pinned(lease_duration_s=L), tmp_path_factory.mktemp("listener") / "run") as started:
-        yield started
+def pair(shared_pair):
+    """The shared LeaseKit pair (L = 6 s; its 12 s max hold is far above these tests' leases)."""
+    return shared_pair
 
 
 def listener_metrics(pair) -> tuple[float | None, float, Counter]:
@@ -104,11 +105,26 @@ def leasekit_status(url, *extra):
                           capture_output=True, text=True, timeout=120)
 
 
+def status_json(url) -> dict:
+    """The one server entry of ``leasekit status URL -o json``."""
+    done = leasekit_status(url, "-o", "json")
+    assert done.returncode in (0, 1), done.stdout + done.stderr  # 0 OK, 1 DEGRADED/CRITICAL
+    (server,) = json.loads(done.stdout)["servers"]
+    return server
+
+
+MALFORMED_REASON = "malformed handshake request(s) refused"
+
+
 def test_malformed_requests_are_refused_counted_and_survived(pair):
     port = pair.prefill.side_channel_port
     up0, served0, bad0 = wait_metrics(pair, lambda up, served, bad: up == 1 and served >= 1)
     assert up0 == 1 and served0 >= 1, "the warm-up D's handshake must have been served and reported"
-    assert sum(bad0.values()) == 0
+    assert sum(bad0.values()) == 0  # nothing sent P a bad side-channel request yet (nor does the other module)
+    before = status_json(pair.prefill.url)  # OK, or DEGRADED by the other module's expired leases
+    assert before["counters"].get("handshake_bad_requests", 0) == 0, before
+    assert not any(MALFORMED_REASON in r for r in before["reasons"]), before["reasons"]
+    log_start = pair.prefill.log_path.stat().st_size
     for _reason, payload in MALFORMED:
         assert_error_reply(side_channel_request(HOST, port, payload, timeout_s=5))
     assert raw_dealer(port, [handshake_request()]) is None  # no REQ envelope: no reply, counted
@@ -129,7 +145,9 @@ def test_malformed_requests_are_refused_counted_and_survived(pair):
     assert up == 1
     assert bad == expected, f"bad requests on /metrics: {dict(bad)}, want {dict(expected)}"
     assert served >= served0 + 1  # the peer's handshake
-    assert "refused a bad NIXL handshake request" in pair.prefill.log_path.read_text()
+    with pair.prefill.log_path.open("rb") as log:  # written by this test's requests
+        log.seek(log_start)
+        assert b"refused a bad NIXL handshake request" in log.read()
 
     done = leasekit_status(pair.prefill.url, "-o", "json")
     assert done.returncode == 1, done.stdout + done.stderr  # DEGRADED: bad requests were refused
@@ -138,7 +156,10 @@ def test_malformed_requests_are_refused_counted_and_survived(pair):
     assert server["counters"]["handshake_bad_requests"] == sum(expected.values())
     assert server["breakdown"]["handshake_bad_requests_by_reason"] == dict(sorted(expected.items()))
     assert server["verdict"] == "DEGRADED"
-    assert any("malformed handshake request(s) refused" in r for r in server["reasons"]), server["reasons"]
+    assert any(MALFORMED_REASON in r for r in server["reasons"]), server["reasons"]
+    # the refused requests are the only new finding (alone they make an OK P DEGRADED)
+    new = [r for r in server["reasons"] if r not in before["reasons"]]
+    assert new and all(MALFORMED_REASON in r for r in new), (before["reasons"], server["reasons"])
     assert not any("handshake listener down" in r for r in server["reasons"])
     table = leasekit_status(pair.prefill.url).stdout
     (row,) = [line for line in table.splitlines() if "handshake listener" in line]
