@@ -10,12 +10,12 @@ so :meth:`Scenario.with_overrides` resolves them again at an overridden ``L``.
 from __future__ import annotations
 
 import os
-import tomllib
 from pathlib import Path
 
 from pydantic import BaseModel, Field, PrivateAttr, ValidationError, model_validator
 
 from leasekit.chaos.leasetime import field_bounds, resolve
+from leasekit.cluster.tomlfile import read_toml
 from leasekit.chaos.schema import (
     ExpectSection,
     Fault,
@@ -219,16 +219,7 @@ def load_scenario(path: str | os.PathLike[str]) -> Scenario:
         ScenarioError: the file is missing, not TOML, or fails validation.
     """
     path = Path(path)
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ScenarioError(f"scenario file {path} not found") from None
-    except UnicodeDecodeError:
-        raise ScenarioError(f"scenario file {path} is not UTF-8 text") from None
-    except OSError as exc:
-        raise ScenarioError(f"cannot read scenario file {path}: {exc.strerror or exc}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ScenarioError(f"scenario file {path} is not valid TOML: {exc}") from None
+    data = read_toml(path, "scenario file", ScenarioError)
     scenario = _validate(data, str(path))
     if scenario.name != path.stem:
         raise ScenarioError(f"{path}: name = {scenario.name!r} must match the file name {path.stem!r}")

@@ -17,11 +17,12 @@ import ipaddress
 import os
 import re
 import sys
-import tomllib
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from leasekit.cluster.tomlfile import read_toml
 
 LOCAL = "local"
 LOAD_FORMATS = ("auto", "pt", "safetensors", "npcache", "dummy", "tensorizer", "sharded_state", "gguf",
@@ -366,16 +367,7 @@ def load_pair_file(path: str | os.PathLike[str]) -> PairFile:
             (an empty file included), or fails validation.
     """
     path = Path(path)
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise PairFileError(f"pair file {path} not found (examples: pairs/*.toml)") from None
-    except UnicodeDecodeError:
-        raise PairFileError(f"pair file {path} is not UTF-8 text") from None
-    except OSError as exc:
-        raise PairFileError(f"cannot read pair file {path}: {exc.strerror or exc}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise PairFileError(f"pair file {path} is not valid TOML: {exc}") from None
+    data = read_toml(path, "pair file", PairFileError, not_found_hint=" (examples: pairs/*.toml)")
     missing = [table for table in ("prefill", "decode") if table not in data]
     need = (f"(top level): no {' and no '.join(f'[{t}]' for t in missing)} table: a pair file needs a [prefill] and a "
             "[decode] table (empty ones are the CPU default servers; the minimal file is the two lines [prefill] and "
