@@ -42,3 +42,31 @@ def pytest_runtest_teardown(item, nextitem):
 def pytest_sessionfinish(session, exitstatus):
     """Stop the shared pair if the session ended early (interrupted, ``-x``)."""
     _SHARED.stop()
+
+
+TWO_HOST_TEST = "tests/integration/test_two_hosts.py::test_verdict_on_two_ssh_hosts_is_the_catalogs"
+_CATALOG_AS_IS = ("--leasekit-pair", "--leasekit-lease-duration", "--leasekit-catalog", "--leasekit-prefill-url")
+
+
+@pytest.hookimpl(trylast=True)  # after -m / -k deselected what they deselect
+def pytest_collection_modifyitems(config, items):
+    """Run each catalog case once a session: a scenario and target that the two-host test runs on
+    two SSH hosts (P and D on separate hosts, the more faithful deployment) is not run again by the
+    one-host catalog test. Only for the default catalog on the default CPU pair at its own L: with
+    ``--leasekit-pair``, ``--leasekit-lease-duration``, ``--leasekit-catalog`` or a running pair the
+    catalog test runs every case."""
+    if any(config.getoption(option) for option in _CATALOG_AS_IS):
+        return
+    on_two_hosts = set()
+    for item in items:
+        if item.nodeid.split("[")[0] == TWO_HOST_TEST:
+            name, target = item.callspec.params["name"], item.callspec.params["target"]
+            if target in item.module.TARGETS and name in item.module._selected():
+                on_two_hosts.add((name, target))
+    keep, dropped = [], []
+    for item in items:
+        case = getattr(item, "callspec", None) and item.callspec.params.get("chaos_case")
+        (dropped if case and (case[0].name, case[1]) in on_two_hosts else keep).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep

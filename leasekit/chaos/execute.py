@@ -60,7 +60,7 @@ class ScenarioExecution:
         load = QueuedDecodeLoad(self.pair, w.requests, w.prompt_tokens, w.decode_tokens, kind=w.kind,
                                 cancel_queued_fraction=w.cancel_queued_fraction, never_decode_fraction=w.never_decode_fraction,
                                 cancel_after_s=cancel_after, decode_slots=self.s.topology.decode_max_num_seqs,
-                                min_queue_wait_s=float(self.timing.lease_duration_s))
+                                min_queue_wait_s=float(self.timing.lease_duration_s), queue_wait_s=w.queue_wait_s)
         self.load = load
         return load
 
@@ -215,7 +215,8 @@ class ScenarioExecution:
         2-core host busy starting spare engines decodes at 5-15 tokens/s). A wait, not a bound:
         ``all_served`` asks only that nothing is lost."""
         w = self.s.workload
-        return max(120.0, 4 * float(self.timing.lease_duration_s)) + w.requests * w.decode_tokens / 5.0
+        tokens = self.load.decode_tokens if self.load is not None else w.decode_tokens  # as sized at start
+        return max(120.0, 4 * float(self.timing.lease_duration_s)) + w.requests * tokens / 5.0
 
     def _lease_wait_s(self) -> float:
         """Seconds every lease may take to end once D let go: the bound ``max(L, E) + tick``, + 20."""
@@ -293,7 +294,7 @@ class ScenarioExecution:
             rid = load.request_id(index)
             if rid not in discarded or not result.ok or index >= len(load.prompts):
                 continue
-            fresh = router.generate(load.prompts[index], self.s.workload.decode_tokens).decode
+            fresh = router.generate(load.prompts[index], load.decode_tokens).decode
             ok = bool(fresh and fresh.ok and fresh.token_ids and result.token_ids)
             matches[rid] = (fresh.token_ids == result.token_ids) if ok else None
         return matches

@@ -94,6 +94,9 @@ class Scenario(Strict):
         if w.kind == "overload" and w.hold_decode_slot_s is not None:
             raise ValueError("workload.hold_decode_slot_s: an overload holds no slot for a time (the routed requests "
                              "keep D's last free slot busy): remove it, or use kind = 'queued'")
+        if w.kind != "overload" and w.queue_wait_s is not None:
+            raise ValueError(f"workload.queue_wait_s applies to kind = 'overload' only, got kind = {w.kind!r}: "
+                             "remove it, or use kind = 'overload'")
         if w.kind != "abort_storm" and w.cancel_after_s is not None:
             raise ValueError(f"workload.cancel_after_s applies to kind = 'abort_storm' only, got kind = {w.kind!r}")
         for i, fault in enumerate(self.faults):

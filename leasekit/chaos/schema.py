@@ -75,6 +75,10 @@ class WorkloadSection(Strict):
     "until the fault is over plus the bound" in the fault run. ``cancel_after_s``: for
     ``abort_storm``, how long after it was routed a cancelled request's client gives up (None:
     ``0.5 * L``). ``prefill_rps``: extra prefill-only traffic on P during the fault run.
+    ``queue_wait_s``: for ``overload``, how long the last routed request should wait for its answer
+    (seconds, or lease-relative such as ``"2L"``); the run then sizes each request's decode from D's
+    decode step time measured just before, at most ``decode_tokens`` tokens (None: always
+    ``decode_tokens``), so the overload lasts about as long on a fast GPU D as on a CPU D.
     """
 
     kind: Literal["queued", "overload", "abort_storm"] = "queued"
@@ -83,6 +87,7 @@ class WorkloadSection(Strict):
     decode_tokens: int = Field(4, ge=1, le=1024)
     hold_decode_slot_s: lease_seconds(gt=0, le=3600, optional=True) = None
     cancel_after_s: lease_seconds(gt=0, le=600, optional=True) = None
+    queue_wait_s: lease_seconds(gt=0, le=3600, optional=True) = None
     prefill_rps: float = Field(0, ge=0, le=50)
     cancel_queued_fraction: float = Field(0.0, ge=0, le=1)
     never_decode_fraction: float = Field(0.0, ge=0, le=1)

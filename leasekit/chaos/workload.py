@@ -15,6 +15,7 @@ gauges, not assumed from sleeps.
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -34,6 +35,54 @@ early: :attr:`SlotHolder.ran_out` says so."""
 
 class WorkloadError(RuntimeError):
     """The workload could not reach its starting state (slots not held, requests not queued)."""
+
+
+STEP_PROBE_TOKENS = 17
+"""Tokens of the streamed completion that measures D's decode step (16 steps between its first
+and last token)."""
+
+
+def measure_decode_step_s(decode_url: str, prompt: list[int], tokens: int = STEP_PROBE_TOKENS,
+                          timeout_s: float = 60.0) -> float:
+    """D's decode step time, seconds per token: one streamed completion of ``tokens`` tokens
+    (greedy, ``ignore_eos``) sent straight to D (no KV transfer), timed from its first token to its
+    last over ``tokens - 1`` steps, so the prefill and the HTTP set-up do not count. Measured while
+    D runs whatever else it runs (the slot holders of an overload), which is the step the queue sees.
+
+    Raises:
+        WorkloadError: D answered with an error, or streamed fewer than 2 tokens.
+    """
+    body = {"model": SERVED_MODEL_NAME, "prompt": prompt, "max_tokens": tokens, "temperature": 0.0,
+            "ignore_eos": True, "stream": True}
+    arrivals = []
+    try:
+        with httpx.Client(timeout=httpx.Timeout(10.0, read=timeout_s)) as client:
+            with client.stream("POST", f"{decode_url}/v1/completions", json=body) as response:
+                if response.status_code != 200:
+                    raise WorkloadError(f"D refused the decode-step probe: HTTP {response.status_code} "
+                                        f"{response.read().decode(errors='replace')[:200]}")
+                for line in response.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        arrivals.append(time.monotonic())
+    except httpx.HTTPError as exc:
+        raise WorkloadError(f"the decode-step probe to D failed: {type(exc).__name__}: {exc}") from exc
+    if len(arrivals) < 2:
+        raise WorkloadError(f"the decode-step probe streamed {len(arrivals)} token(s) from D, need at least 2")
+    return (arrivals[-1] - arrivals[0]) / (len(arrivals) - 1)
+
+
+def overload_tokens(queue_wait_s: float, requests: int, step_s: float, most: int, least: int = 8) -> int:
+    """Decode tokens per request so that ``requests`` requests served one after another on one slot
+    keep the last one waiting about ``queue_wait_s`` seconds: ``ceil(queue_wait_s / (requests *
+    step_s))``, kept within ``[least, most]``.
+
+    Raises:
+        ValueError: a time or count is not positive, or ``least > most``.
+    """
+    if queue_wait_s <= 0 or step_s <= 0 or requests < 1 or least < 1 or least > most:
+        raise ValueError(f"queue_wait_s ({queue_wait_s}) and step_s ({step_s}) must be > 0, requests ({requests}) >= 1, "
+                         f"1 <= least ({least}) <= most ({most})")
+    return max(least, min(most, math.ceil(queue_wait_s / (requests * step_s))))
 
 
 @dataclass
@@ -101,6 +150,9 @@ class QueuedDecodeLoad:
     ``decode_slots``: D's ``--max-num-seqs`` (1..256). ``cancel_after_s``: seconds after routing a
     cancelled request's client gives up. ``min_queue_wait_s``: for ``overload``, how long (seconds,
     the scenario's ``L``) some request must have waited for its answer for the overload to count.
+    ``queue_wait_s``: for ``overload``, size the decodes (at most ``decode_tokens``) so the last
+    request waits about this long (seconds), from D's step time measured at :meth:`start`
+    (``decode_step_s``, seconds per token; ``decode_tokens`` then holds the size used).
     Filled as it runs (times ``time.monotonic()`` seconds of this process): ``prefills`` and ``prompts`` (token ids; one per request, in order), ``decodes``
     (index -> result), ``queued_at``, ``intent`` (index -> ``decode`` | ``cancel`` | ``never``: what
     the workload meant to happen to each request), ``holder`` (the slot holder, None if no slot is held).
@@ -116,6 +168,8 @@ class QueuedDecodeLoad:
     cancel_after_s: float = 3.0
     decode_slots: int = 1
     min_queue_wait_s: float | None = None
+    queue_wait_s: float | None = None
+    decode_step_s: float | None = None
     holder: SlotHolder | None = None
     prefills: list[PrefillResult] = field(default_factory=list)
     prompts: list[list[int]] = field(default_factory=list)
@@ -178,6 +232,9 @@ class QueuedDecodeLoad:
                     f"running={self._gauge('vllm:num_requests_running')}, holder HTTP {self.holder.status} "
                     f"{self.holder.error or ''}); is D's --max-num-seqs topology.decode_max_num_seqs = {self.decode_slots}?")
             self.slot_held_at = time.monotonic()
+        if self.kind == "overload" and self.queue_wait_s is not None:
+            self.decode_step_s = measure_decode_step_s(router.decode_url, self.pair.prompt(16))
+            self.decode_tokens = overload_tokens(self.queue_wait_s, self.requests, self.decode_step_s, self.decode_tokens)
         for index in range(self.requests):
             prompt = self.pair.prompt(self.prompt_tokens)
             prefill = router.prefill(prompt)
@@ -235,8 +292,10 @@ class QueuedDecodeLoad:
                                   f"{len(gone)} gave up without an answer, {len(answered)} were answered before the cancel"))
         answered = [d.latency_s for d in self.decodes.values() if d.ok]
         if self.kind == "overload" and self.min_queue_wait_s is not None and answered:
+            sized = ("" if self.decode_step_s is None else
+                     f" ({self.decode_tokens} tokens each, sized from D's step of {self.decode_step_s * 1000:.0f} ms)")
             effects.append(Effect(f"a request waited longer than {self.min_queue_wait_s:g} s on D", max(answered) > self.min_queue_wait_s,
-                                  f"the slowest of {len(answered)} answers came {max(answered):.1f} s after its request was sent to D"))
+                                  f"the slowest of {len(answered)} answers came {max(answered):.1f} s after its request was sent to D{sized}"))
         h = self.holder
         if h is not None:
             how = (f"all {h.slots} sample(s) generated their {h.max_tokens} tokens before the release" if h.ran_out

@@ -105,24 +105,24 @@ def test_kill_decode_passes_with_spans_inside_the_bound(vllm_available, tmp_path
     assert not processes_mentioning(str(run_dir.resolve()))
 
 
-@pytest.mark.parametrize("moment, delay_s", [("steady state", 3.0), ("SIGKILL sent", 0.3)])
-def test_sigint_mid_scenario_tears_down_and_reports_interrupted(vllm_available, tmp_path, moment, delay_s):
-    """Ctrl-C while leases are held (steady state), and right after the kill went out (fault)."""
+def test_sigint_mid_scenario_tears_down_and_reports_interrupted(vllm_available, tmp_path):
+    """Ctrl-C right after the kill went out, while P still holds the leases of D's queue: the kill's
+    record survives, every process goes. (Ctrl-C in the middle of a fault with a namespace, a rule
+    and a frozen cgroup in force: the ``--all`` test below.)"""
     run_dir = (tmp_path / "run").resolve()
-    proc = start_until([LEASEKIT, "chaos", "run", "kill-decode", "--target", "leasekit", "--run-dir", str(run_dir)], moment)
+    proc = start_until([LEASEKIT, "chaos", "run", "kill-decode", "--target", "leasekit", "--run-dir", str(run_dir)], "SIGKILL sent")
     try:
         servers = processes_mentioning(str(run_dir))
         assert len(servers) >= 3  # API server, engine core and worker of P (and of D before the kill)
-        time.sleep(delay_s)
+        time.sleep(0.3)
     finally:
         report = interrupt(proc, run_dir)
     assert report["verdict"] == "UNKNOWN"
     (last,) = report["results"]
     assert last["verdict"] == "UNKNOWN" and "interrupted" in " ".join(last["notes"])
-    if moment == "SIGKILL sent":  # the kill had been sent: its record must survive the interruption
-        assert last["request_ids"]
-        (kill,) = last["faults"]
-        assert kill["signal"] == "SIGKILL" and kill["injected_monotonic_s"] is not None
+    assert last["request_ids"]  # the kill had been sent: its record must survive the interruption
+    (kill,) = last["faults"]
+    assert kill["signal"] == "SIGKILL" and kill["injected_monotonic_s"] is not None
     psutil.wait_procs(servers, timeout=10)
     assert not [p for p in servers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not processes_mentioning(str(run_dir))
@@ -181,9 +181,10 @@ def test_interrupted_all_leaves_no_process_namespace_rule_or_cgroup(vllm_availab
         time.sleep(1.0)
         during = leftovers()
         assert during["namespaces"] and during["cgroups"], during
-        ruleset = subprocess.run(["ip", "netns", "exec", during["namespaces"][0], "nft", "list", "ruleset"],
-                                 capture_output=True, text=True).stdout
-        assert " drop" in ruleset, ruleset
+        # P and D sit on two hosts of a testbed (a namespace each); the rule lies in P's, whichever is listed first
+        rulesets = {ns: subprocess.run(["ip", "netns", "exec", ns, "nft", "list", "ruleset"],
+                                       capture_output=True, text=True).stdout for ns in during["namespaces"]}
+        assert any(" drop" in ruleset for ruleset in rulesets.values()), rulesets
         servers = processes_mentioning(str(run_dir))
         assert len(servers) >= 4
     finally:

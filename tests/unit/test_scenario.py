@@ -127,6 +127,7 @@ def test_every_catalog_scenario_names_its_checks_and_incident():
     (GOOD.replace('kind = "kill"', 'kind = "kill"\ntarget = "prefill"\nrestart_after_s = 1'), "only a killed D is restarted"),
     (GOOD + "[workload]\nkind = 'overload'\nhold_decode_slot_s = 5\n", "an overload holds no slot for a time"),
     (GOOD + "[workload]\ncancel_after_s = 'H'\n", "cancel_after_s applies to kind = 'abort_storm' only"),
+    (GOOD + "[workload]\nqueue_wait_s = '2L'\n", "queue_wait_s applies to kind = 'overload' only"),
     (GOOD + "[workload]\ncancel_queued_fraction = 0.6\nnever_decode_fraction = 0.6\n", "must be <= 1"),
     (GOOD.replace('checks = ["bounded_reclaim"]', 'checks = ["liveness", "liveness"]'), "each check once"),
     (GOOD.replace('checks = ["bounded_reclaim"]', 'checks = ["bounded_reclaim"]\nstock = "FAIL"'), "known_defect_stock"),
