@@ -18,11 +18,12 @@ import signal
 import threading
 import time
 import weakref
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from leasekit.cluster.hosts import Host, HostError
 from leasekit.cluster.procs import wait_until
 from leasekit.cluster.server import ServerSpec, ServerStartError, ServerStartTimeout, VllmServer
+from leasekit.cluster.sleepfix import install_on_host, shim_name
 
 FREE_PORT = """
 import random, socket, sys
@@ -134,11 +135,27 @@ class RemoteVllmServer(VllmServer):
         if env.get("LEASEKIT_FAULT_FILE"):
             self.host.check(["mkdir", "-p", self.host.path("faults")])
             env["LEASEKIT_FAULT_FILE"] = self.host.path(f"faults/{here}.json")
-        shim = env.get("LD_PRELOAD")
-        if shim and self.host.run(["test", "-f", shim])[0] != 0:
-            raise HostError(f"host {self.host.name}: the libfaketime shim {shim} is not there; fix: build it on that host "
-                            "(leasekit.chaos.faults.clock) at the same path, or run the skew scenarios with P and D here")
+        if env.get("LD_PRELOAD"):
+            env["LD_PRELOAD"] = self._preload_on_host(env["LD_PRELOAD"])
         self.spec = dataclasses.replace(self.spec, extra_env=env)
+
+    def _preload_on_host(self, preload: str) -> str:
+        """``LD_PRELOAD`` as the host must see it: the libfaketime sleep shim built on the host
+        (:func:`leasekit.cluster.sleepfix.install_on_host`), every other library checked there.
+
+        Raises:
+            HostError: a preloaded library is missing on the host (libfaketime: fix names the Debian
+                package), or the shim cannot be built there."""
+        paths = []
+        for path in preload.split():
+            if PurePosixPath(path).name == shim_name():
+                paths.append(install_on_host(self.host))
+            elif self.host.run(["test", "-f", path])[0] == 0:
+                paths.append(path)
+            else:
+                raise HostError(f"host {self.host.name}: {path} (LD_PRELOAD of a skewed clock) is not there; fix: install it "
+                                "on that host (libfaketime: apt-get install faketime)")
+        return " ".join(paths)
 
     def promote(self) -> int:
         """Resume it if parked (nothing else to do: it never starts idle); returns 0."""

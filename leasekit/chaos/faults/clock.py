@@ -17,7 +17,6 @@ straight to the kernel; pass ``sleep_fix=False`` to leave libfaketime alone.
 from __future__ import annotations
 
 import glob
-import hashlib
 import math
 import os
 import shutil
@@ -27,6 +26,8 @@ import time
 from pathlib import Path
 
 from leasekit.chaos.faults._common import FaultError
+from leasekit.cluster.sleepfix import SOURCE as _SLEEP_FIX_SOURCE
+from leasekit.cluster.sleepfix import shim_name
 
 #: The kernel refuses time-namespace offsets beyond KTIME_SEC_MAX / 2 seconds.
 MAX_OFFSET_S = 4_611_686_018
@@ -35,24 +36,6 @@ DEBIAN_LIBFAKETIME = "/usr/lib/x86_64-linux-gnu/faketime/{lib}"
 LIBFAKETIME_GLOBS = ("/usr/lib/*/faketime/{lib}", "/usr/lib/faketime/{lib}",
                      "/usr/local/lib/faketime/{lib}", "/usr/local/lib/{lib}")
 
-_SLEEP_FIX_SOURCE = r"""
-#define _GNU_SOURCE
-#include <dlfcn.h>
-#include <errno.h>
-#include <sys/syscall.h>
-#include <time.h>
-#include <unistd.h>
-/* leasekit: monotonic/boottime sleeps go to the kernel, bypassing libfaketime (#426). */
-typedef int (*cns_fn)(clockid_t, int, const struct timespec *, struct timespec *);
-int clock_nanosleep(clockid_t id, int flags, const struct timespec *req, struct timespec *rem) {
-    static cns_fn next;
-    if (id == CLOCK_MONOTONIC || id == CLOCK_BOOTTIME) {
-        return syscall(SYS_clock_nanosleep, id, flags, req, rem) == 0 ? 0 : errno;
-    }
-    if (!next) next = (cns_fn)dlsym(RTLD_NEXT, "clock_nanosleep");
-    return next ? next(id, flags, req, rem) : ENOSYS;
-}
-"""
 
 
 def _check_offset(field: str, value: object, lowest_s: float) -> int:
@@ -115,9 +98,8 @@ def find_libfaketime(multithreaded: bool = False) -> str:
 def sleep_fix_path() -> Path:
     """Where the compiled clock_nanosleep shim lives (``$XDG_CACHE_HOME/leasekit`` or
     ``~/.cache/leasekit``, named after its source's hash); it may not be built yet."""
-    digest = hashlib.sha256(_SLEEP_FIX_SOURCE.encode()).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "leasekit"
-    return cache / f"faketime-sleepfix-{digest}.so"
+    return cache / shim_name()
 
 
 def sleep_fix_build_command(src: str | Path, out: str | Path, gcc: str | None = None) -> list[str]:
