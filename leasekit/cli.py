@@ -27,6 +27,7 @@ from typing import Callable
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from leasekit.chaos.scenario import ScenarioError, catalog_dir, find_scenario, list_scenarios, load_scenario
 from leasekit.lease.bounds import loss_budget, safe_stall_s
@@ -89,10 +90,11 @@ def _cmd_chaos_list(args: argparse.Namespace) -> int:
     table.add_column("description", overflow="fold")
     for row in rows:
         if "error" in row:
-            table.add_row(row["name"], "?", "?", "?", "?", f"[red]invalid: {row['error']}[/]")
+            table.add_row(Text(row["name"]), "?", "?", "?", "?", Text(f"invalid: {row['error']}", style="red"))
             continue
         expect = ", ".join(f"{t}: {v}" for t, v in row["expect"].items())
-        table.add_row(row["name"], row["incident"], str(row["lease_duration_s"]), ",".join(row["targets"]), expect, row["description"])
+        table.add_row(*(Text(cell) for cell in (row["name"], row["incident"], f'{row["lease_duration_s"]:g}', ",".join(row["targets"]),
+                                                expect, row["description"])))  # Text: a file's [brackets] are not markup
     console = Console()
     if not console.is_terminal:  # a pipe or file: rich would assume 80 columns
         console = Console(width=200)

@@ -137,7 +137,8 @@ class Scenario(Strict):
             data["lease"]["tick_s"] = tick_s
         if targets:
             data["topology"]["targets"] = list(targets)
-        return _validate(data, "command-line overrides (--lease-duration sets lease.duration_s, --tick lease.tick_s)")
+        return _validate(data, f"{self.name!r} with overrides (the --lease-duration option or the pair file's "
+                               "lease_duration_s sets lease.duration_s, --tick lease.tick_s)")
 
     def hold_decode_slot_s(self) -> float:
         """Seconds D's slot is held in the steady-state run (default ``1.5 * L``)."""

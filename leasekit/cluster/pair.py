@@ -77,6 +77,15 @@ class PDPair:
         self.testbed: Testbed | PlannedTestbed | None = None
         separate = self.deployment is not None and len({self.deployment.host_key(self.deployment.role(r).host)
                                                          for r in ROLES} - {"local"}) == 2
+        if spec.network_namespace and not separate and self.deployment is not None and self.deployment.remote_roles():
+            from leasekit.cluster.pairfile import PairFileError
+
+            hosts = {r: self.deployment.role(r).host for r in ROLES}
+            raise PairFileError(
+                f"a partition cuts the network between P's host and D's host, but this pair file runs P on {hosts['prefill']!r} "
+                f"and D on {hosts['decode']!r}, not on two separate hosts with another machine among them (a namespace made here "
+                "cannot hold a server started over SSH); fix: put [prefill] and [decode] on two different SSH hosts, or both on "
+                "this machine (leasekit then makes the two hosts itself)")
         if spec.network_namespace and not separate:  # P and D on two hosts: a network namespace each, on one bridge
             # (a pair file whose P and D are on two other hosts already has them apart: no namespaces made)
             self.testbed = (self._dry_testbed or PlannedTestbed(ROLES)) if self._dry else Testbed(ROLES)

@@ -186,6 +186,18 @@ def test_chaos_list_keeps_names_whole_in_a_pipe():
         assert set(row["expect"]) == set(row["targets"])
 
 
+def test_chaos_list_prints_brackets_as_written(tmp_path):
+    """A description or an error with ``[...]`` in it (TOML tables, regex classes) is text, not markup."""
+    (tmp_path / "brackets.toml").write_text('name = "brackets"\ndescription = "Set [lease] duration_s, not [bold]x[/bold]"\n'
+                                            'incident = "K08"\n[[faults]]\nkind = "none"\n[expect]\nchecks = ["liveness"]\n')
+    (tmp_path / "Bad_Name.toml").write_text('name = "Bad_Name"\ndescription = "d"\nincident = "K08"\n[[faults]]\nkind = "none"\n'
+                                            '[expect]\nchecks = ["liveness"]\n')
+    listed = subprocess.run([sys.executable, "-m", "leasekit.cli", "chaos", "list", "--catalog", str(tmp_path)],
+                            capture_output=True, text=True, check=True).stdout
+    assert "Set [lease] duration_s, not [bold]x[/bold]" in listed
+    assert "[a-z0-9]" in listed  # the name pattern in Bad_Name's error
+
+
 def test_pytest_leasekit_pair_option(pytester, monkeypatch):
     without_ssh_support(monkeypatch)
     pytester.makepyfile("def test_case(chaos_case):\n    pass\n")
@@ -244,3 +256,17 @@ def test_a_plan_that_cannot_be_made_is_a_message_not_a_traceback(capsys, monkeyp
     assert main(["chaos", "run", "partition-long", "--plan"]) == 2
     err = capsys.readouterr().err
     assert "leasekit: cannot plan this run: a partition needs P and D on two hosts" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("hosts", [("local", "b"), ("b", "b")])
+def test_a_partition_needs_p_and_d_on_two_separate_hosts_when_one_is_remote(tmp_path, capsys, hosts):
+    """A namespace made on this machine cannot hold a server started over SSH: P here and D there,
+    or both on one remote host, is refused with the fix (never a plan of `ip netns exec` over SSH)."""
+    pair_path = tmp_path / "mixed.toml"
+    pair_path.write_text('[hosts.local]\naddress = "10.0.0.5"\n[hosts.b]\naddress = "10.0.0.12"\npython = "/usr/bin/python3"\n'
+                         f'[prefill]\nhost = "{hosts[0]}"\n[decode]\nhost = "{hosts[1]}"\n')
+    assert main(["chaos", "run", "partition-long", "--plan", "--pair", str(pair_path), "--target", "leasekit"]) == 2
+    err = capsys.readouterr().err
+    assert f"runs P on {hosts[0]!r} and D on {hosts[1]!r}, not on two separate hosts" in err, err
+    assert "fix: put [prefill] and [decode] on two different SSH hosts" in err and "Traceback" not in err
+    assert main(["chaos", "run", "kill-decode", "--plan", "--pair", str(pair_path), "--target", "leasekit"]) == 0  # no partition: fine
