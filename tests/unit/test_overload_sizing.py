@@ -88,10 +88,10 @@ def test_bad_sizing_input_names_the_values():
         overload_tokens(12, 8, 0.1, 4)
 
 
-def test_the_catalog_overload_waits_two_leases_at_any_lease():
+def test_the_catalog_overload_waits_three_leases_at_any_lease():
     at_6 = find_scenario("overload-queue")
     at_30 = at_6.with_overrides(lease_duration_s=30)
-    assert (at_6.workload.queue_wait_s, at_30.workload.queue_wait_s) == (12, 60)
-    # a CPU D (80 ms steps) and a GPU D (10 ms steps) both keep the last request ~2L in the queue
-    assert overload_tokens(60, 8, 0.08, at_30.workload.decode_tokens) == 94
-    assert overload_tokens(60, 8, 0.01, at_30.workload.decode_tokens) == 750
+    assert (at_6.workload.queue_wait_s, at_30.workload.queue_wait_s) == (18, 90)
+    # a CPU D (80 ms steps) and a GPU D (15 ms steps) both keep the last request ~3L in the queue
+    assert overload_tokens(90, 8, 0.08, at_30.workload.decode_tokens) == 141
+    assert overload_tokens(90, 8, 0.015, at_30.workload.decode_tokens) == 750
