@@ -29,7 +29,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from leasekit.chaos.scenario import ScenarioError, catalog_dir, find_scenario, list_scenarios, load_scenario
+from leasekit.chaos.scenario import CATALOG_ENV, ScenarioError, catalog_dir, find_scenario, list_scenarios, load_scenario
 from leasekit.lease.bounds import loss_budget, safe_stall_s
 from leasekit.lease.config import LeaseConfigError, LeaseTiming, lint_timing
 from leasekit.runbook.common import seconds_type
@@ -67,9 +67,20 @@ def _writable_dir(path: Path) -> str | None:
     return None
 
 
+def _catalog_problem(catalog: str | Path | None) -> str | None:
+    """Why the scenario directory (``--catalog``, else ``$LEASEKIT_CHAOS_DIR``) cannot be used, or None."""
+    if catalog is not None:
+        return None if Path(catalog).is_dir() else f"--catalog {catalog} is not a directory"
+    configured = os.environ.get(CATALOG_ENV)
+    if configured and not Path(configured).is_dir():
+        return (f"{CATALOG_ENV}={configured} is not a directory; fix: point it at a directory of scenario files, "
+                "or unset it for the built-in catalog")
+    return None
+
+
 def _cmd_chaos_list(args: argparse.Namespace) -> int:
-    if args.catalog and not Path(args.catalog).is_dir():
-        print(f"leasekit: --catalog {args.catalog} is not a directory", file=sys.stderr)
+    if (problem := _catalog_problem(args.catalog)):
+        print(f"leasekit: {problem}", file=sys.stderr)
         return EXIT_USAGE
     rows = []
     for name, path in list_scenarios(Path(args.catalog) if args.catalog else None).items():
@@ -151,8 +162,8 @@ def _cmd_chaos_run(args: argparse.Namespace) -> int:
     if duplicates:
         print(f"leasekit: scenario(s) named twice: {', '.join(duplicates)}", file=sys.stderr)
         return EXIT_USAGE
-    if catalog is not None and not catalog.is_dir():
-        print(f"leasekit: --catalog {catalog} is not a directory", file=sys.stderr)
+    if (problem := _catalog_problem(catalog)):
+        print(f"leasekit: {problem}", file=sys.stderr)
         return EXIT_USAGE
     try:
         deployment, lease_duration = _load_pair(args)

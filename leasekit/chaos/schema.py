@@ -166,6 +166,12 @@ class PartitionFault(_FaultBase):
         if self.path == "http" and self.direction != "both":
             raise ValueError(f"direction must be 'both' for path = 'http' (HTTP runs between the router and a server, "
                              f"not between P and D), got {self.direction!r}")
+        if self.action != "loss" and "loss_percent" in self.model_fields_set:
+            raise ValueError(f"loss_percent applies to action = 'loss' only, got action = {self.action!r}: "
+                             "remove loss_percent, or set action = 'loss'")
+        if self.action == "loss" and self.loss_percent == 0:
+            raise ValueError("loss_percent = 0 with action = 'loss' loses nothing (the fault could never take effect); "
+                             "allowed: 1 <= loss_percent <= 100")
         if not float(self.loss_percent).is_integer():
             raise ValueError(f"loss_percent must be a whole number of percent (nftables numgen), got {self.loss_percent!r}")
         return self

@@ -270,3 +270,13 @@ def test_a_partition_needs_p_and_d_on_two_separate_hosts_when_one_is_remote(tmp_
     assert f"runs P on {hosts[0]!r} and D on {hosts[1]!r}, not on two separate hosts" in err, err
     assert "fix: put [prefill] and [decode] on two different SSH hosts" in err and "Traceback" not in err
     assert main(["chaos", "run", "kill-decode", "--plan", "--pair", str(pair_path), "--target", "leasekit"]) == 0  # no partition: fine
+
+
+def test_a_catalog_directory_that_is_not_there_is_refused_however_it_is_given(monkeypatch, capsys, tmp_path):
+    missing = tmp_path / "nowhere"
+    assert main(["chaos", "list", "--catalog", str(missing)]) == 2
+    monkeypatch.setenv("LEASEKIT_CHAOS_DIR", str(missing))
+    assert main(["chaos", "list"]) == 2
+    assert main(["chaos", "run", "kill-decode", "--plan"]) == 2
+    err = capsys.readouterr().err
+    assert err.count(f"LEASEKIT_CHAOS_DIR={missing} is not a directory; fix:") == 2 and "Traceback" not in err

@@ -16,6 +16,19 @@ kind = "kill"
 checks = ["bounded_reclaim"]
 """
 
+PARTITION = """
+name = "x"
+description = "d"
+incident = "K11"
+[launch]
+network_namespace = true
+[expect]
+checks = ["liveness"]
+[[faults]]
+kind = "partition"
+duration_s = "H"
+"""
+
 
 def write(tmp_path, text, name="x"):
     path = tmp_path / f"{name}.toml"
@@ -128,6 +141,8 @@ def test_every_catalog_scenario_names_its_checks_and_incident():
     (GOOD + "[workload]\nkind = 'overload'\nhold_decode_slot_s = 5\n", "an overload holds no slot for a time"),
     (GOOD + "[workload]\ncancel_after_s = 'H'\n", "cancel_after_s applies to kind = 'abort_storm' only"),
     (GOOD + "[workload]\nqueue_wait_s = '2L'\n", "queue_wait_s applies to kind = 'overload' only"),
+    (PARTITION + "action = 'drop'\nloss_percent = 30\n", "loss_percent applies to action = 'loss' only"),
+    (PARTITION + "action = 'loss'\nloss_percent = 0\n", "allowed: 1 <= loss_percent <= 100"),
     (GOOD + "[workload]\ncancel_queued_fraction = 0.6\nnever_decode_fraction = 0.6\n", "must be <= 1"),
     (GOOD.replace('checks = ["bounded_reclaim"]', 'checks = ["liveness", "liveness"]'), "each check once"),
     (GOOD.replace('checks = ["bounded_reclaim"]', 'checks = ["bounded_reclaim"]\nstock = "FAIL"'), "known_defect_stock"),
