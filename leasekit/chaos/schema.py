@@ -166,7 +166,7 @@ class PartitionFault(_FaultBase):
         if self.path == "http" and self.direction != "both":
             raise ValueError(f"direction must be 'both' for path = 'http' (HTTP runs between the router and a server, "
                              f"not between P and D), got {self.direction!r}")
-        if self.action != "loss" and "loss_percent" in self.model_fields_set:
+        if self.action != "loss" and self.loss_percent != 100:  # (100, the default, is what drop and reject lose)
             raise ValueError(f"loss_percent applies to action = 'loss' only, got action = {self.action!r}: "
                              "remove loss_percent, or set action = 'loss'")
         if self.action == "loss" and self.loss_percent == 0:

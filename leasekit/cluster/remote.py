@@ -14,6 +14,7 @@ wrote. One :class:`SshHost` per pair-file host serves every server started there
 from __future__ import annotations
 
 import atexit
+import hashlib
 import signal
 import threading
 import time
@@ -24,6 +25,11 @@ from leasekit.cluster.hosts import Host, HostError
 from leasekit.cluster.procs import wait_until
 from leasekit.cluster.server import ServerSpec, ServerStartError, ServerStartTimeout, VllmServer
 from leasekit.cluster.sleepfix import install_on_host, shim_name
+
+SHIPPED_MODELS = "/tmp/leasekit-models"
+"""Where a small model directory made on this machine is copied on a server's host, under a name
+from its content: an absolute path that is the same on every host (vLLM hashes the model path into
+NIXL's compatibility hash, so P and D must name one path), removed at teardown."""
 
 FREE_PORT = """
 import random, socket, sys
@@ -106,8 +112,9 @@ class RemoteVllmServer(VllmServer):
 
     def _ship_launch_files(self) -> None:
         """Put on the host what the launch names on this machine, and point the spec at it: a small
-        model directory made here (the tiny model's ``config.json``; at most 1 MiB) and the logging
-        config are copied into the host's run directory; the connector fault file
+        model directory made here (the tiny model's ``config.json``; at most 1 MiB) is copied to
+        ``SHIPPED_MODELS/<content hash>`` (the same path on P's and D's hosts), the logging config into
+        the host's run directory; the connector fault file
         (``LEASEKIT_FAULT_FILE``) becomes a path there (the faults write it through the host); a
         libfaketime shim (``LD_PRELOAD``) must exist there.
 
@@ -118,15 +125,20 @@ class RemoteVllmServer(VllmServer):
         here = f"{self.local_run_dir.name}-{self.spec.name}"
         model = Path(str(self.spec.model_dir))
         if model.is_dir() and (model / "config.json").is_file():
-            files = [f for f in model.rglob("*") if f.is_file()]
-            if sum(f.stat().st_size for f in files) <= 1 << 20:  # one path per pair: P and D must name the same model
-                pair_model = f"model/{self.local_run_dir.name}"
-                self.host.check(["mkdir", "-p", *sorted({self.host.path(f"{pair_model}/{f.relative_to(model).parent}") for f in files})])
+            files = sorted(f for f in model.rglob("*") if f.is_file())
+            if sum(f.stat().st_size for f in files) <= 1 << 20:
+                # P and D must give vLLM the same model path: it is part of NIXL's compatibility hash
+                # (vllm/distributed/kv_transfer/kv_connector/v1/nixl/metadata.py), and a mismatch
+                # fails every handshake. So the same absolute path on every host, named by content.
+                digest = hashlib.sha256(b"".join(str(f.relative_to(model)).encode() + b"\0" + f.read_bytes() for f in files))
+                pair_model = f"{SHIPPED_MODELS}/{digest.hexdigest()[:16]}"
+                self.host.check(["mkdir", "-p", *sorted({f"{pair_model}/{f.relative_to(model).parent}" for f in files})])
+                self.host.register("dir", pair_model)
                 for f in files:
                     target, data = f"{pair_model}/{f.relative_to(model)}", f.read_bytes()
-                    if self.host.run(["cmp", "-s", "-", self.host.path(target)], input=data)[0] != 0:  # not there yet
+                    if self.host.run(["cmp", "-s", "-", target], input=data)[0] != 0:  # not there yet
                         self.host.write_file(target, data)
-                self.spec = dataclasses.replace(self.spec, model_dir=Path(self.host.path(pair_model)))
+                self.spec = dataclasses.replace(self.spec, model_dir=Path(pair_model))
         env = dict(self.spec.extra_env)
         config = env.get("VLLM_LOGGING_CONFIG_PATH")
         if config and Path(config).is_file():
