@@ -92,18 +92,20 @@ class EvidenceReader:
         return evidence
 
     def collect(self) -> None:
-        """Bring P's evidence here when P runs on another host: its span files (``spans/`` of its run
-        directory there, into :attr:`PDPair.span_dir`) and its log (into its ``log_path``)."""
-        server = self.pair.prefill
-        host = getattr(server, "host", None)
-        if host is None or host.closed:
-            return
-        if self.target == "leasekit":
-            rc, out, _ = host.run(["find", f"{server.run_dir}/spans", "-type", "f"], timeout_s=60)
-            for path in out.split() if rc == 0 else []:
-                host.fetch(path, self.pair.span_dir / path.rsplit("/spans/", 1)[1])
-        else:
-            server.fetch_log()
+        """Bring the evidence here from servers on other hosts: for the LeaseKit target the span files
+        of P and of D (``spans/`` of each one's run directory there, into :attr:`PDPair.span_dir`, where
+        a pair on this machine writes them all: P's lease spans, D's read-gate spans that say which late
+        reads D discarded); for the stock target P's log (into its ``log_path``)."""
+        for server in (self.pair.prefill, self.pair.decode) if self.target == "leasekit" else (self.pair.prefill,):
+            host = getattr(server, "host", None)
+            if host is None or host.closed:
+                continue
+            if self.target == "leasekit":
+                rc, out, _ = host.run(["find", f"{server.run_dir}/spans", "-type", "f"], timeout_s=60)
+                for path in out.split() if rc == 0 else []:
+                    host.fetch(path, self.pair.span_dir / path.rsplit("/spans/", 1)[1])
+            else:
+                server.fetch_log()
 
     def p_clock_offset_s(self) -> float | None:
         """P's monotonic clock minus this process's ``time.monotonic()``, seconds, when P runs on
