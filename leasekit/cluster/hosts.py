@@ -93,6 +93,17 @@ class Host:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, {self.where!r})"
 
+    def name_run(self, run_name: str) -> bool:
+        """Name the run directory on the host ``<workdir>/<run_name>`` if nothing was made there yet
+        (commands run before, such as host checks, make nothing); returns whether the name is now
+        ``run_name``. Raises ValueError: ``run_name`` is not ``[A-Za-z0-9._-]``."""
+        if not _NAME_RE.match(run_name):
+            raise ValueError(f"run_name must match {_NAME_RE.pattern}, got {run_name!r}")
+        with self._lock:
+            if not self._ready and not self.closed:
+                self.run_dir = str(PurePosixPath(self.workdir) / run_name)
+            return PurePosixPath(self.run_dir).name == run_name
+
     def __enter__(self):
         return self
 

@@ -294,6 +294,8 @@ def host_for(name: str, host_spec, *, run_name: str | None = None) -> Host:
                                   identity_file=host_spec.identity_file,
                                   known_hosts=getattr(host_spec, "known_hosts", None), python=host_spec.python or "python3",
                                   workdir=host_spec.workdir or "/tmp/leasekit", run_name=run_name)
+        elif run_name is not None:  # made earlier for host checks, which make nothing there: name it now
+            _HOSTS[key].name_run(run_name)
         return _HOSTS[key]
 
 

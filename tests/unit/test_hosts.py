@@ -116,3 +116,16 @@ def test_watchdog_waits_while_the_heartbeat_changes(run_dir):
     finally:
         watchdog.kill()
         watchdog.wait()
+
+
+def test_the_run_directory_is_named_once_nothing_was_made_yet(tmp_path):
+    """A host first made for the host checks (a random run name) takes the suite's name when its
+    first server starts; once the run directory exists, its name stays."""
+    host = LocalHost(workdir=str(tmp_path))
+    assert host.run(["true"])[0] == 0  # a host check: makes nothing
+    assert host.name_run("20261202-kill-decode") and host.run_dir == str(tmp_path / "20261202-kill-decode")
+    with pytest.raises(ValueError, match="run_name must match"):
+        host.name_run("../up")
+    with host:
+        host.write_file("x", "1")  # the run directory now exists
+        assert not host.name_run("another") and host.run_dir == str(tmp_path / "20261202-kill-decode")
