@@ -197,6 +197,18 @@ def chaos_case(request):
     return request.param
 
 
+def selected_cases(session: pytest.Session) -> list:
+    """``[(Scenario, target)]`` of the session's selected ``chaos_case`` tests, in run order: what
+    ``-k``, ``-m`` and deselecting hooks left. The suite's pool warms up the pairs of these only (a
+    pair started ahead for a deselected case would cost a start on 2 cores and run unused)."""
+    cases = []
+    for item in getattr(session, "items", []):
+        case = getattr(item, "callspec", None) and item.callspec.params.get("chaos_case")
+        if case and case not in cases:
+            cases.append(case)
+    return cases
+
+
 @pytest.fixture(scope="session")
 def leasekit_suite(request):
     """A session-wide chaos suite (one pool of pairs); finished (pairs stopped, reports written)
@@ -219,7 +231,8 @@ def leasekit_suite(request):
         pool = ExternalPool(pair)
     from leasekit.chaos.suite import interrupts_as_keyboard_interrupt
 
-    suite = Suite(planned_cases(config), run_dir, pool=pool, deployment=deployment(config))  # the plan lets the pool warm up what comes next
+    suite = Suite(selected_cases(request.session) or planned_cases(config), run_dir, pool=pool,
+                  deployment=deployment(config))  # the plan lets the pool warm up what comes next
     suite.external = pool is not None
     _SUITES.append(suite)
     try:

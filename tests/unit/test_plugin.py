@@ -70,3 +70,14 @@ def test_external_pair_runs_only_what_it_can(pytester, catalog, tmp_path):
         f"--leasekit-pair-dir={tmp_path / 'pair'}", f"--leasekit-run-dir={tmp_path / 'run'}", "-rs", "--leasekit-lease-duration=6")
     result.assert_outcomes(skipped=1, failed=1)  # b-kill skipped; a-calm tries the (dead) pair
     result.stdout.fnmatch_lines(["*b-kill: a kill fault*needs the processes of a pair leasekit started*"])
+
+
+def test_the_suite_plans_only_the_selected_cases(pytester, catalog, tmp_path):
+    """``-k`` (or a hook that deselects) leaves cases out: the suite's plan, which decides the pairs
+    started ahead in the background, holds only what will run, in run order."""
+    pytester.makepyfile(
+        "def test_case(leasekit_suite, chaos_case):\n"
+        "    assert [(s.name, t) for s, t in leasekit_suite.runs] == [('b-kill', 'leasekit'), ('b-kill', 'stock')]\n")
+    result = pytester.runpytest_inprocess(f"--leasekit-catalog={catalog}", f"--leasekit-run-dir={tmp_path / 'run'}",
+                                          "-k", "b-kill", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2, deselected=1)
