@@ -34,6 +34,11 @@ int clock_nanosleep(clockid_t id, int flags, const struct timespec *req, struct 
 """
 
 
+def build_command(src: str, out: str, compiler: str) -> list[str]:
+    """The compiler command that builds the shim from C source ``src`` into ``out`` (on any host)."""
+    return [compiler, "-shared", "-fPIC", "-O2", "-o", str(out), str(src), "-ldl"]
+
+
 def shim_name() -> str:
     """The shim's file name, ``faketime-sleepfix-<16 hex digits of SOURCE's SHA-256>.so``: a changed
     source gets a new name, so a stale build is never preloaded."""
@@ -57,6 +62,6 @@ def install_on_host(host) -> str:
                         "launches D with it); fix: install gcc on that host (apt-get install gcc)")
     host.check(["mkdir", "-p", host.path("lib")])
     source = host.write_file(f"lib/{shim_name()}.c", SOURCE)
-    host.check([compiler, "-shared", "-fPIC", "-O2", "-o", f"{target}.tmp", source, "-ldl"], timeout_s=120)
+    host.check(build_command(source, f"{target}.tmp", compiler), timeout_s=120)
     host.check(["mv", "-f", f"{target}.tmp", target])
     return target

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from leasekit.chaos.faults._common import FaultError
 from leasekit.cluster.sleepfix import SOURCE as _SLEEP_FIX_SOURCE
-from leasekit.cluster.sleepfix import shim_name
+from leasekit.cluster.sleepfix import build_command, shim_name
 
 #: The kernel refuses time-namespace offsets beyond KTIME_SEC_MAX / 2 seconds.
 MAX_OFFSET_S = 4_611_686_018
@@ -105,7 +105,7 @@ def sleep_fix_path() -> Path:
 def sleep_fix_build_command(src: str | Path, out: str | Path, gcc: str | None = None) -> list[str]:
     """The compiler command that builds the shim from C source ``src`` into ``out`` (what
     :func:`sleep_fix_library` runs in a temporary directory before moving ``out`` into the cache)."""
-    return [gcc or shutil.which("gcc") or "gcc", "-shared", "-fPIC", "-O2", "-o", str(out), str(src), "-ldl"]
+    return build_command(str(src), str(out), gcc or shutil.which("gcc") or "gcc")
 
 
 def sleep_fix_library() -> str:
