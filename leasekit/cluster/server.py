@@ -22,7 +22,7 @@ from typing import Literal
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from leasekit.cluster import procs
+from leasekit.cluster import background, procs
 from leasekit.vllm import CONNECTOR_MODULE_PATH, CONNECTOR_NAME, STOCK_CONNECTOR_NAME
 
 Role = Literal["prefill", "decode"]
@@ -154,6 +154,7 @@ class VllmServer:
         self.idle = False  # started as a background spare and not promoted yet
         self._started_idle = False
         self.parked = False  # a healthy spare held with SIGSTOP until promoted
+        self.paused = False  # a spare still warming up, held with SIGSTOP while a foreground server starts
 
     # -- lifecycle -------------------------------------------------------------------------
     @property
@@ -242,29 +243,37 @@ class VllmServer:
         )
         self.started_at = time.monotonic()
         self.idle = self._started_idle = idle
+        if idle:
+            background.register(self)
 
     def promote(self) -> int:
         """Give a server started with ``idle=True`` normal CPU priority (every thread of every
         process, and the processes it starts later), resuming it if parked; returns the threads
         changed."""
-        self.unpark()
-        self.idle = False
+        with background.LOCK:
+            self.unpark()
+            self.idle = False
+            background.unregister(self)
         return procs.normal_priority(self.pids())
 
     def park(self) -> bool:
         """SIGSTOP a healthy background spare's whole process group, so that its busy-polling
         threads (vLLM engines spin even when idle) take no CPU until :meth:`promote`; returns
         whether it was parked (only a started, idle, healthy, unparked spare is)."""
-        if self.proc is None or not self.idle or self.parked or not self.alive() or not self.healthy(1.0):
+        if self.proc is None or not self.idle or self.parked or self.paused or not self.alive() or not self.healthy(1.0):
             return False
-        self.parked = procs.signal_group(self.proc.pid, signal.SIGSTOP)
-        return self.parked
+        with background.LOCK:  # asked outside the lock; promoted, paused or parked meanwhile?
+            if not self.idle or self.parked or self.paused:
+                return False
+            self.parked = procs.signal_group(self.proc.pid, signal.SIGSTOP)
+            return self.parked
 
     def unpark(self) -> None:
-        """SIGCONT a parked spare (no-op otherwise)."""
-        if self.parked and self.proc is not None:
-            procs.signal_group(self.proc.pid, signal.SIGCONT)
-        self.parked = False
+        """SIGCONT a spare parked, or paused for a foreground start (no-op otherwise)."""
+        with background.LOCK:
+            if (self.parked or self.paused) and self.proc is not None:
+                procs.signal_group(self.proc.pid, signal.SIGCONT)
+            self.parked = self.paused = False
 
     def alive(self) -> bool:
         """Whether the API server process is still running."""
@@ -290,6 +299,10 @@ class VllmServer:
         if self.idle:
             raise RuntimeError(f"server {self.spec.name} is a spare started idle: promote() it first")
         deadline = time.monotonic() + timeout_s if self._started_idle or from_now else self.started_at + timeout_s
+        with background.paused_for_foreground():  # spares warming up give way (see leasekit.cluster.background)
+            return self._wait_healthy_until(deadline, timeout_s)
+
+    def _wait_healthy_until(self, deadline: float, timeout_s: float) -> float:
         while True:  # checked at least once: a server waited for after its deadline (P restarted first) may be up
             if self._started_idle:
                 procs.normal_priority(self.pids())  # processes it spawned since promote()
@@ -355,6 +368,7 @@ class VllmServer:
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM the group, SIGKILL after ``grace_s`` seconds; idempotent."""
         self.unpark()  # a stopped process would sit on the SIGTERM until the SIGKILL
+        background.unregister(self)
         if self.proc is not None:
             procs.terminate_group(self.proc.pid, self.proc.pid, grace_s=grace_s)
             try:

@@ -65,9 +65,26 @@ def _running(pids) -> list[int]:
     return [pid for pid in pids if _state(pid) not in (None, "Z", "X")]
 
 
+def _stop_pending(pid: int) -> bool:
+    """Whether SIGSTOP is pending for ``pid`` (its ``SigPnd`` or ``ShdPnd`` mask in /proc/PID/status)."""
+    try:
+        with open(f"/proc/{pid}/status") as handle:
+            masks = [int(line.split()[1], 16) for line in handle if line.startswith(("SigPnd:", "ShdPnd:"))]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return any(mask & (1 << (signal.SIGSTOP - 1)) for mask in masks)
+
+
+def _stopped(pid: int) -> bool:
+    """Stopped (state T), or in uninterruptible sleep (state D: a write throttled by a busy disk, as
+    on a loaded CI machine) with SIGSTOP pending, which stops it as soon as the sleep ends."""
+    state = _state(pid)
+    return state == "T" or (state == "D" and _stop_pending(pid))
+
+
 def _all_stopped(host, pgid: int, timeout_s: float = 10.0) -> bool:
-    """Wait until every process of the group is stopped (state T); AssertionError with the states if not."""
-    if wait_until(lambda: all(_state(p) == "T" for p in host.group_pids(pgid)), timeout_s):
+    """Wait until every process of the group is stopped (see :func:`_stopped`); AssertionError with the states if not."""
+    if wait_until(lambda: all(_stopped(p) for p in host.group_pids(pgid)), timeout_s):
         return True
     raise AssertionError(f"group {pgid} not stopped: {[(p, _state(p)) for p in host.group_pids(pgid)]}")
 
