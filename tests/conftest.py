@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from tests.prefetch import PREFETCH
 from tests.shared_pair import SharedPair
 
 
@@ -40,8 +41,28 @@ def pytest_runtest_teardown(item, nextitem):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """Stop the shared pair if the session ended early (interrupted, ``-x``)."""
+    """Stop the shared pair if the session ended early (interrupted, ``-x``), and every prefetched
+    pair that no test claimed."""
     _SHARED.stop()
+    PREFETCH.stop()
+
+
+def pytest_runtest_setup(item):
+    """When the last test of a module starts (or the first of a module that lists pairs), launch
+    the next module's ``PREFETCH_PAIRS`` in the background."""
+    items = item.session.items
+    index = items.index(item) if item in items else -1
+    if index < 0 or os.environ.get("LEASEKIT_SKIP_PAIR") == "1":
+        return
+    first = index == 0 or items[index - 1].module is not item.module
+    ahead = [item] if first else []
+    if index + 1 < len(items) and items[index + 1].module is not item.module:
+        ahead.append(items[index + 1])
+    for upcoming in ahead:
+        specs = getattr(upcoming.module, "PREFETCH_PAIRS", None)
+        if specs:
+            factory = item.session.config._tmp_path_factory  # noqa: SLF001 - pytest's own tmp_path_factory
+            PREFETCH.prefetch(list(specs), lambda: factory.mktemp("prefetched-pair") / "run")
 
 
 TWO_HOST_TEST = "tests/integration/test_two_hosts.py::test_verdict_on_two_ssh_hosts_is_the_catalogs"

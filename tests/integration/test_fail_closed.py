@@ -30,7 +30,7 @@ import httpx
 import pytest
 
 from leasekit.chaos.faults.stall import FreezerStall
-from leasekit.cluster.pair import PairSpec, PDPair
+from leasekit.cluster.pair import PairSpec
 from leasekit.cluster.server import SERVED_MODEL_NAME
 from leasekit.lease.readgate import OUTCOME_REAPED, OUTCOME_TIMEOUT, OUTCOME_VERIFIED, PROOF_PLEDGE
 from leasekit.telemetry import semconv as sc
@@ -38,6 +38,7 @@ from leasekit.telemetry import metrics as m
 from leasekit.telemetry.spanfile import read_span_dir
 from leasekit.vllm.kvdigest import KV_DIGEST_ATTR
 from tests.integration.test_hostile_peer import lease
+from tests.prefetch import PREFETCH
 from tests.scrape import labelled
 
 pytestmark = pytest.mark.pair
@@ -149,10 +150,16 @@ def _digests(pair, rid: str) -> tuple[str | None, str | None]:
     return p, d
 
 
+LATE_READ_PAIR = PairSpec.pinned(lease_duration_s=L, prefill_kv_cache_bytes=KV_CACHE_BYTES, warm_up=False, fault_files=True,
+                                fail_closed=True)
+STOCK_D_PAIR = PairSpec.pinned(lease_duration_s=L, decode_connector="stock", prefill_kv_cache_bytes=KV_CACHE_BYTES,
+                               fail_closed=True)
+PREFETCH_PAIRS = [LATE_READ_PAIR, STOCK_D_PAIR]
+"""Started ahead in the background (tests/prefetch.py)."""
+
+
 def test_blocks_reused_before_a_late_read_are_never_served(vllm_available, tmp_path):
-    spec = PairSpec.pinned(lease_duration_s=L, prefill_kv_cache_bytes=KV_CACHE_BYTES, warm_up=False, fault_files=True,
-                           fail_closed=True)
-    with PDPair(spec, tmp_path / "run") as pair:
+    with PREFETCH.pair_for(LATE_READ_PAIR, tmp_path / "run") as pair:
         # first contact after the lease expired: D's first handshake and read come too late
         prompt = pair.prompt(48)
         late = pair.router.prefill(prompt)
@@ -201,9 +208,7 @@ def test_blocks_reused_before_a_late_read_are_never_served(vllm_available, tmp_p
 
 
 def test_stock_d_serves_a_read_of_reclaimed_and_reused_blocks(vllm_available, tmp_path):
-    spec = PairSpec.pinned(lease_duration_s=L, decode_connector="stock", prefill_kv_cache_bytes=KV_CACHE_BYTES,
-                           fail_closed=True)
-    with PDPair(spec, tmp_path / "run") as pair:
+    with PREFETCH.pair_for(STOCK_D_PAIR, tmp_path / "run") as pair:
         rid, tokens, reference = _read_after_reuse(pair)
         assert lease(pair, rid).outcome == "expired"
         assert _read_outcomes(pair, rid) == []  # a stock D has no read gate: HTTP 200 from reused blocks

@@ -9,6 +9,7 @@ from leasekit.chaos.leases import read_leases
 from leasekit.chaos.workload import QueuedDecodeLoad
 from leasekit.cluster.pair import PairSpec, PDPair
 from leasekit.telemetry import metrics as m
+from tests.prefetch import PREFETCH
 from tests.scrape import labelled
 
 pytestmark = pytest.mark.pair
@@ -30,11 +31,17 @@ def queued_requests_survive_the_lease(pair: PDPair, n: int = 2) -> QueuedDecodeL
     return load
 
 
+def _spec(prefill_connector: str, decode_connector: str) -> PairSpec:
+    return PairSpec.pinned(prefill_connector=prefill_connector, decode_connector=decode_connector, lease_duration_s=L)
+
+
+PREFETCH_PAIRS = [_spec("leasekit", "stock"), _spec("stock", "leasekit")]
+"""Started ahead in the background (tests/prefetch.py)."""
+
+
 @pytest.fixture
 def pair(request, vllm_available, tmp_path):
-    prefill_connector, decode_connector = request.param
-    spec = PairSpec.pinned(prefill_connector=prefill_connector, decode_connector=decode_connector, lease_duration_s=L)
-    with PDPair(spec, tmp_path / "run") as started:
+    with PREFETCH.pair_for(_spec(*request.param), tmp_path / "run") as started:
         yield started
 
 
