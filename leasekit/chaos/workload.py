@@ -28,9 +28,28 @@ from leasekit.cluster.router import DecodeResult, PrefillResult
 from leasekit.cluster.server import SERVED_MODEL_NAME
 
 HOLDER_MAX_TOKENS = 4000
-"""Tokens each slot-holding sample may generate (with a 16-token prompt, within the CPU pair's
-``--max-model-len 4096``). A sample that generates them all before it is released frees its slot
-early: :attr:`SlotHolder.ran_out` says so."""
+"""Tokens each slot-holding sample may generate when D's ``max_model_len`` cannot be read (with a
+16-token prompt, within ``--max-model-len 4096``), and the least :func:`holder_tokens` gives when
+D allows it. A sample that generates them all before it is released frees its slot early:
+:attr:`SlotHolder.ran_out` says so."""
+
+HOLDER_TOKEN_BUDGET = 16_000
+"""Tokens all slot-holding samples together may reach above ``HOLDER_MAX_TOKENS`` each (one sample on
+the CPU pair's D, whose KV cache holds 65 536 tokens and whose ``max_model_len`` is 16 384): at
+L = 30 a D that is not slowed down decodes 4000 tokens before the run releases its slot."""
+
+
+def holder_tokens(decode_url: str, slots: int, prompt_tokens: int, *, timeout_s: float = 5.0) -> int:
+    """``max_tokens`` for each of ``slots`` slot-holding samples whose prompt is ``prompt_tokens``
+    long: ``max(HOLDER_MAX_TOKENS, HOLDER_TOKEN_BUDGET // slots)``, within D's ``max_model_len``
+    (read from D's OpenAI-compatible ``GET /v1/models``, vLLM ``serving_models.py``); at least 1.
+    If D does not say, ``HOLDER_MAX_TOKENS``. Never raises."""
+    try:
+        models = httpx.get(f"{decode_url}/v1/models", timeout=timeout_s).json()["data"]
+        limit = int(models[0]["max_model_len"]) - prompt_tokens - 1
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+        return HOLDER_MAX_TOKENS
+    return max(1, min(limit, max(HOLDER_MAX_TOKENS, HOLDER_TOKEN_BUDGET // max(1, slots))))
 
 
 class WorkloadError(RuntimeError):
@@ -222,7 +241,9 @@ class QueuedDecodeLoad:
             raise WorkloadError(f"decode_slots must be D's --max-num-seqs, 1..256, got {self.decode_slots}")
         self._plan()
         if self.held_slots > 0:
-            self.holder = SlotHolder(router.decode_url, self.held_slots, self.pair.prompt(16), self._stop)
+            prompt = self.pair.prompt(16)
+            self.holder = SlotHolder(router.decode_url, self.held_slots, prompt, self._stop,
+                                     max_tokens=holder_tokens(router.decode_url, self.held_slots, len(prompt)))
             thread = threading.Thread(target=self.holder.run, name="hold-decode-slots", daemon=True)
             thread.start()
             self._threads.append(thread)

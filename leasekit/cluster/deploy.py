@@ -6,6 +6,12 @@ from __future__ import annotations
 
 from leasekit.cluster.pairfile import PairFile, PairFileError
 
+DECODE_MAX_MODEL_LEN = 16_384
+"""``--max-model-len`` of D when it runs the tiny model and nothing else is said (P keeps 4096; NIXL's
+compatibility hash does not include it, vLLM ``nixl/metadata.py``): room for a slot-holding request
+that outlasts an L = 30 run (:func:`leasekit.chaos.workload.holder_tokens`). The tiny model's 64 MiB
+KV cache holds 65 536 tokens."""
+
 
 TINY_KV_CACHE_BYTES = 64 * 1024 * 1024
 """The CPU default's KV cache (``ServerSpec.kv_cache_bytes``), 64 MiB."""
@@ -20,7 +26,8 @@ def server_fields(pair: PairFile, role: str) -> dict:
     ``max_num_seqs`` (P), ``cpu`` (a core or tuple of cores; None on a GPU), ``http_port``,
     ``side_channel_port``, and ``bind_host``/``url_host``/``side_channel_host`` (a host whose address
     is not loopback listens on 0.0.0.0 and is reached at its address). The CPU default (no file) gives
-    exactly the ``ServerSpec`` defaults.
+    exactly the ``ServerSpec`` defaults, except D's ``max_model_len``: ``DECODE_MAX_MODEL_LEN`` for the
+    tiny model.
 
     A Hugging Face id without ``allow_download`` runs with ``HF_HUB_OFFLINE=1``: resolved from the
     host's Hugging Face cache only, never downloaded.
@@ -48,6 +55,8 @@ def server_fields(pair: PairFile, role: str) -> dict:
             fields["extra_env"].setdefault("HF_HUB_OFFLINE", "1")
     if spec.max_model_len is not None:
         fields["max_model_len"] = spec.max_model_len
+    elif spec.tiny and role == "decode":
+        fields["max_model_len"] = DECODE_MAX_MODEL_LEN
     if spec.max_num_seqs is not None:
         fields["max_num_seqs"] = spec.max_num_seqs
     if spec.device == "cuda":

@@ -20,7 +20,7 @@ TINY_LLAMA_CONFIG: dict = {
     "head_dim": 32,
     "num_hidden_layers": 2,
     "vocab_size": 1024,
-    "max_position_embeddings": 8192,
+    "max_position_embeddings": 16384,  # room for D's max_model_len (deploy.DECODE_MAX_MODEL_LEN)
     "rms_norm_eps": 1e-5,
     "rope_theta": 10000.0,
     "torch_dtype": "float32",

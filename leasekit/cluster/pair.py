@@ -15,7 +15,7 @@ import weakref
 from pathlib import Path
 
 from leasekit.cluster.model import VOCAB_SIZE, write_tiny_llama
-from leasekit.cluster.deploy import merged_server_kwargs, require_local
+from leasekit.cluster.deploy import DECODE_MAX_MODEL_LEN, merged_server_kwargs, require_local
 from leasekit.cluster.pairspec import PairSpec  # noqa: F401 - re-exported (the spec lives in pairspec)
 from leasekit.cluster.router import Router, RoutedResult
 from leasekit.cluster.server import ServerSpec, ServerStartTimeout, VllmServer
@@ -151,6 +151,7 @@ class PDPair:
 
     def _server(self, name: str, role: str, connector: str, cpu, *, max_num_seqs: int, http_port: int = 0, side_channel_port: int = 0) -> VllmServer:
         prefix, env, bind_host, url_host = self._launch(role)
+        deployment_free = self.deployment is None
         kwargs = dict(
             name=name, role=role, connector=connector, model_dir=self.model_dir, lease_duration_s=self.spec.lease_duration_s,
             cpu=cpu, max_num_seqs=max_num_seqs, http_port=http_port, side_channel_port=side_channel_port, extra_env=env,
@@ -159,6 +160,7 @@ class PDPair:
             **({"side_channel_host": url_host} if self.testbed is not None else {}),  # NIXL between the two hosts
             kv_load_failure_policy=self.spec.decode_kv_load_failure_policy if role == "decode" else None,
             **({"kv_cache_bytes": self.spec.prefill_kv_cache_bytes} if role == "prefill" and self.spec.prefill_kv_cache_bytes else {}),
+            **({"max_model_len": DECODE_MAX_MODEL_LEN} if role == "decode" and deployment_free else {}),  # a pair file: deploy.server_fields
         )
         python, deployment = sys.executable, self.deployment
         if deployment is not None:  # the pair file's server, under this pair's launch conditions

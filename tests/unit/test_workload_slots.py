@@ -130,3 +130,38 @@ def test_an_overload_that_never_outlasted_l_did_not_take_effect():
     assert not effect.took_effect and "the slowest of 2 answers came 4.5 s" in effect.evidence
     load.decodes[1] = DecodeResult(200, 6.5, token_ids=[1])
     assert load.effects()[0].took_effect
+
+
+def test_holder_tokens_follow_ds_max_model_len_and_fall_back_when_d_does_not_say():
+    import json as _json
+    import threading as _threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from leasekit.chaos.workload import HOLDER_MAX_TOKENS, HOLDER_TOKEN_BUDGET, holder_tokens
+
+    answer = {"max_model_len": 16384}
+
+    class Models(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            body = _json.dumps({"data": [{"id": "leasekit-tiny", **answer}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Models)
+    _threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        assert holder_tokens(url, 1, 16) == HOLDER_TOKEN_BUDGET  # 16 000 < 16384 - 17
+        assert holder_tokens(url, 8, 16) == HOLDER_MAX_TOKENS  # the budget split 8 ways is below the floor
+        answer["max_model_len"] = 4096
+        assert holder_tokens(url, 1, 16) == 4096 - 17  # never past D's max_model_len
+        answer.pop("max_model_len")
+        assert holder_tokens(url, 1, 16) == HOLDER_MAX_TOKENS  # D does not say
+    finally:
+        server.shutdown()
+    assert holder_tokens(url, 1, 16, timeout_s=0.5) == HOLDER_MAX_TOKENS  # D not there
