@@ -1,4 +1,4 @@
-"""What D's read gate costs on the normal path (issue 6; docs/fail-closed.md), against baselines measured
+"""What D's read gate costs on the normal path (docs/fail-closed.md), against baselines measured
 in the same run.
 
 Goal: no more than one notification round trip per request, and no extra latency when the lease is

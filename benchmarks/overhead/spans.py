@@ -139,7 +139,7 @@ class SpanCounter:
         Raises:
             OSError: a span file exists but could not be read (one that vanished is skipped).
         """
-        from leasekit.chaos.leases import timeline_from_span
+        from leasekit.telemetry.lease_timeline import timeline_from_span
         from leasekit.telemetry.spanfile import read_span_dir
 
         if not self.span_dir.is_dir():

@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 from leasekit.chaos import FAIL, PASS, UNKNOWN
-from leasekit.chaos.leases import LeaseTimeline
 from leasekit.cluster.router import DecodeResult
 from leasekit.lease.bounds import reclaim_bound, reclaim_deadline
 from leasekit.lease.config import LeaseTiming
 from leasekit.telemetry import semconv as sc
+from leasekit.telemetry.lease_timeline import LeaseTimeline
 
 EARLY_TOLERANCE_S = 1e-3
 """Float slack when testing "not before the deadline" (seconds)."""

@@ -2,7 +2,7 @@
 
 - ``leasekit`` target: P's lease spans (``spans/*.jsonl``); times are P's ``perf_counter``.
 - ``stock`` target: P's own vLLM log lines with millisecond epoch timestamps (the servers run with
-  :func:`leasekit.telemetry.vllm_log.write_logging_config`); times are P's wall clock.
+  :func:`leasekit.telemetry.vllm_logconfig.write_logging_config`); times are P's wall clock.
 
 Instants measured by the runner (a fault, an HTTP answer) are converted to that clock: to P's
 monotonic clock by the measured time-namespace offset (P on another host: that host's clock read over
@@ -16,11 +16,11 @@ import time
 from dataclasses import dataclass, field
 
 from leasekit.chaos.faults.onhost import monotonic_offset_on_host
-from leasekit.chaos.leases import LeaseTimeline, lease_timelines
 from leasekit.cluster.clocks import to_process_monotonic
 from leasekit.cluster.pair import PDPair
 from leasekit.lease.config import LeaseTiming
 from leasekit.telemetry import semconv as sc
+from leasekit.telemetry.lease_timeline import LeaseTimeline, lease_timelines
 from leasekit.telemetry.spanfile import read_span_dir
 from leasekit.telemetry.vllm_log import parse_stock_lease_log
 

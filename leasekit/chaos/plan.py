@@ -16,11 +16,12 @@ import shlex
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from leasekit.chaos.faults import clock, kill, stall
+from leasekit.chaos.faults import kill, stall
 from leasekit.chaos.faults._cgroup import hierarchy_roots
 from leasekit.chaos.pool import pair_spec
 from leasekit.chaos.scenario import Scenario
 from leasekit.chaos.schema import HeartbeatFault, KillFault, NoFault, PartitionFault, StallFault
+from leasekit.cluster import clockshift
 from leasekit.cluster.pair import PDPair
 from leasekit.cluster.pairfile import LOCAL, PairFile
 from leasekit.cluster.preflight import role_commands
@@ -158,7 +159,7 @@ class _Planner:
         if testbed is not None:
             self.add_all(LOCAL, phase, [{"argv": argv, "what": what} for argv, what in testbed.create_steps()])
         for role in ROLES:
-            self.add_all(self.host(role), phase, clock.plan_commands(getattr(spec, f"{role}_wall_offset_s"), getattr(spec, f"{role}_wall_rate")))
+            self.add_all(self.host(role), phase, clockshift.plan_commands(getattr(spec, f"{role}_wall_offset_s"), getattr(spec, f"{role}_wall_rate")))
         for role in ROLES:
             self.start_server(servers[role], role, phase)
         for role in ROLES:

@@ -19,8 +19,8 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.transforms import blended_transform_factory
 
-from leasekit.chaos.leases import LeaseTimeline
 from leasekit.telemetry import semconv as sc
+from leasekit.telemetry.lease_timeline import LeaseTimeline
 
 OUTCOME_COLORS = {
     sc.OUTCOME_RELEASED: "#2ca02c",

@@ -259,9 +259,7 @@ def run_case(suite, scenario, target):
     """Run one catalog case on ``suite``; skip it (with the reason) when an external pair cannot
     serve it. Returns the :class:`leasekit.chaos.execute.ScenarioResult`."""
     if getattr(suite, "external", False):
-        from leasekit.cluster.external import unsupported_reason
-
-        from leasekit.chaos.pool import pair_spec
+        from leasekit.chaos.pool import pair_spec, unsupported_reason
 
         why = unsupported_reason(scenario) or suite.pool.pair.matches(pair_spec(scenario, target))
         if why:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from leasekit.chaos.scenario import Scenario
+from leasekit.chaos.schema import HeartbeatFault, NoFault, StallFault
 from leasekit.cluster.pair import PairSpec, PDPair
 
 
@@ -200,3 +201,19 @@ class ExternalPool:
         """Close the router; the servers keep running."""
         self.pair.stop()
         self._open = False
+
+
+def unsupported_reason(scenario) -> str | None:
+    """Why ``scenario`` (a :class:`leasekit.chaos.scenario.Scenario`) cannot run on an external pair
+    (:class:`leasekit.cluster.external.ExternalPair`), or None if it can: faults that need the
+    processes (kill, SIGSTOP/freezer stall, nftables partition) or launch conditions. Heartbeat
+    faults and forward-pass stalls go through the fault files and are fine."""
+    for fault in scenario.faults:
+        if isinstance(fault, (NoFault, HeartbeatFault)):
+            continue
+        if isinstance(fault, StallFault) and fault.method == "forward_pass":
+            continue
+        return f"a {fault.kind} fault ({getattr(fault, 'method', getattr(fault, 'scope', ''))}) needs the processes of a pair leasekit started"
+    if scenario.launch != type(scenario.launch)():
+        return "launch conditions (clock skew, network namespace, cold start) need a pair leasekit starts"
+    return None

@@ -25,7 +25,7 @@ import httpx
 from leasekit.chaos.actions import Effect
 from leasekit.cluster.pair import PDPair
 from leasekit.cluster.router import DecodeResult, PrefillResult
-from leasekit.cluster.server import SERVED_MODEL_NAME
+from leasekit.cluster.serverspec import SERVED_MODEL_NAME
 
 HOLDER_MAX_TOKENS = 4000
 """Tokens each slot-holding sample may generate when D's ``max_model_len`` cannot be read (with a

@@ -1,4 +1,4 @@
-"""From a pair file to servers: the :class:`leasekit.cluster.server.ServerSpec` fields of each role,
+"""From a pair file to servers: the :class:`leasekit.cluster.serverspec.ServerSpec` fields of each role,
 merged over what :class:`leasekit.cluster.pair.PDPair` builds, and the check that every server can be
 started from here."""
 
@@ -18,7 +18,7 @@ TINY_KV_CACHE_BYTES = 64 * 1024 * 1024
 
 
 def server_fields(pair: PairFile, role: str) -> dict:
-    """:class:`leasekit.cluster.server.ServerSpec` keyword arguments for the server of ``role`` as
+    """:class:`leasekit.cluster.serverspec.ServerSpec` keyword arguments for the server of ``role`` as
     ``pair`` describes it. Keys always present: ``device``, ``load_format``, ``skip_tokenizer_init``,
     ``dtype``, ``kv_cache_bytes``, ``gpu_memory_utilization``, ``tensor_parallel_size``,
     ``cuda_visible_devices``, ``kv_buffer_device``, ``extra_args``, ``extra_env``; and only when the
@@ -74,7 +74,7 @@ def server_fields(pair: PairFile, role: str) -> dict:
 
 def require_local(pair: PairFile) -> None:
     """Refuse a deployment with a server on another machine unless SSH host support is installed
-    (``leasekit.cluster.hosts`` with a ``server_on_host`` function).
+    (``leasekit.cluster.remote`` with a ``server_on_host`` function).
 
     Raises:
         PairFileError: naming the role, its host and the fix.
@@ -83,17 +83,17 @@ def require_local(pair: PairFile) -> None:
     if not remote:
         return
     try:
-        from leasekit.cluster import hosts  # noqa: PLC0415 - optional, SSH host support
+        from leasekit.cluster import remote as ssh_support  # noqa: PLC0415 - optional, SSH host support
     except ImportError:
-        hosts = None
-    if hosts is not None and callable(getattr(hosts, "server_on_host", None)):
+        ssh_support = None
+    if ssh_support is not None and callable(getattr(ssh_support, "server_on_host", None)):
         return
     role = remote[0]
     name = pair.role(role).host
     host = pair.host(name)
     raise PairFileError(
         f"{role}.host = {name!r} is another machine ({host.user}@{host.address}:{host.ssh_port}): starting servers "
-        "there needs SSH host support (leasekit.cluster.hosts.server_on_host), not available in this installation; fix: run "
+        "there needs SSH host support (leasekit.cluster.remote.server_on_host), not available in this installation; fix: run "
         "leasekit on that machine with a local pair file, or see what a run would do with `leasekit chaos run --pair FILE --plan`")
 
 

@@ -1,7 +1,8 @@
 """A P/D pair that somebody else started (a GPU fleet, a staging cluster): only its URLs and the
 directory its LeaseKitConnector writes to are known, so leasekit can send traffic, read the lease
 spans and drive the connector's fault points, but cannot kill, stop, skew or partition its
-processes. Scenarios needing that are refused with the reason (see :func:`unsupported_reason`).
+processes. Scenarios needing that are refused with the reason
+(:func:`leasekit.chaos.pool.unsupported_reason`).
 
 Pointing the chaos suite at such a pair: start P and D with LeaseKitConnector,
 ``"leasekit_run_dir": DIR`` in ``kv_connector_extra_config`` (spans go to ``DIR/spans``),
@@ -148,20 +149,3 @@ class ExternalPair:
         if self.router is not None:
             self.router.close()
             self.router = None
-
-
-def unsupported_reason(scenario) -> str | None:
-    """Why ``scenario`` (a :class:`leasekit.chaos.scenario.Scenario`) cannot run on an external
-    pair: faults that need the processes (kill, SIGSTOP/freezer stall, nftables partition) or launch
-    conditions. Heartbeat faults and forward-pass stalls go through the fault files and are fine."""
-    from leasekit.chaos.schema import HeartbeatFault, NoFault, StallFault
-
-    for fault in scenario.faults:
-        if isinstance(fault, (NoFault, HeartbeatFault)):
-            continue
-        if isinstance(fault, StallFault) and fault.method == "forward_pass":
-            continue
-        return f"a {fault.kind} fault ({getattr(fault, 'method', getattr(fault, 'scope', ''))}) needs the processes of a pair leasekit started"
-    if scenario.launch != type(scenario.launch)():
-        return "launch conditions (clock skew, network namespace, cold start) need a pair leasekit starts"
-    return None

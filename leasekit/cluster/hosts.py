@@ -42,7 +42,7 @@ from leasekit.cluster.hosttypes import (  # noqa: F401 - re-exported: the host A
 )
 
 __all__ = ["AgentSession", "ClockReading", "Host", "HostError", "HostTeardownError", "HostTimeout", "HostUnreachable",
-           "PreflightError", "TeardownReport", "check_argv", "runner_for", "server_on_host"]
+           "PreflightError", "TeardownReport", "check_argv"]
 
 AGENT_SOURCE = Path(__file__).with_name("hostagent.py")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,63}$")
@@ -368,19 +368,3 @@ class Host:
         if self._beat_thread is not None:
             self._beat_thread.join(timeout=self.heartbeat_s + 30)
             self._beat_thread = None
-
-
-def server_on_host(pair, role: str, spec, run_dir):
-    """A :class:`~leasekit.cluster.remote.RemoteVllmServer` for ``role`` on the pair file's host of that
-    role (see :func:`leasekit.cluster.remote.server_on_host`)."""
-    from leasekit.cluster.remote import server_on_host as build  # the server layer imports this module
-
-    return build(pair, role, spec, run_dir)
-
-
-def runner_for(name: str, host_spec):
-    """``argv -> (exit code, stdout, stderr)`` on pair-file host ``name`` over SSH (see
-    :func:`leasekit.cluster.remote.runner_for`)."""
-    from leasekit.cluster.remote import runner_for as build
-
-    return build(name, host_spec)

@@ -14,11 +14,12 @@ import time
 import weakref
 from pathlib import Path
 
-from leasekit.cluster.model import VOCAB_SIZE, write_tiny_llama
 from leasekit.cluster.deploy import DECODE_MAX_MODEL_LEN, merged_server_kwargs, require_local
+from leasekit.cluster.model import VOCAB_SIZE, write_tiny_llama
 from leasekit.cluster.pairspec import PairSpec  # noqa: F401 - re-exported (the spec lives in pairspec)
 from leasekit.cluster.router import Router, RoutedResult
-from leasekit.cluster.server import ServerSpec, ServerStartTimeout, VllmServer
+from leasekit.cluster.server import ServerStartTimeout, VllmServer
+from leasekit.cluster.serverspec import ServerSpec
 from leasekit.cluster.testbed import PlannedTestbed, Testbed
 
 logger = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ class PDPair:
             self.testbed = (self._dry_testbed or PlannedTestbed(ROLES)) if self._dry else Testbed(ROLES)
         self.logging_config: Path | None = None
         if spec.lease_logging:
-            from leasekit.telemetry.vllm_log import write_logging_config
+            from leasekit.telemetry.vllm_logconfig import write_logging_config
 
             path = self.run_dir / "vllm-logging.json"
             self.logging_config = path if self._dry else write_logging_config(path)
@@ -127,14 +128,14 @@ class PDPair:
             env["UCX_TLS"] = "^sm"
         offset = spec.prefill_monotonic_offset_s if role == "prefill" else spec.decode_monotonic_offset_s
         if offset:
-            from leasekit.chaos.faults.clock import time_namespace_prefix
+            from leasekit.cluster.clockshift import time_namespace_prefix
 
             prefix += time_namespace_prefix(offset, check=not self._dry)
         wall_offset, wall_rate = (
             (spec.prefill_wall_offset_s, spec.prefill_wall_rate) if role == "prefill" else (spec.decode_wall_offset_s, spec.decode_wall_rate)
         )
         if wall_offset or wall_rate != 1.0:
-            from leasekit.chaos.faults.clock import faketime_env
+            from leasekit.cluster.clockshift import faketime_env
 
             env.update(faketime_env(wall_offset, wall_rate, build=not self._dry))
         if spec.fault_files:
@@ -169,9 +170,9 @@ class PDPair:
             kwargs, python = merged_server_kwargs(kwargs, deployment, role, keep=keep), deployment.python(role)
         spec = ServerSpec(**kwargs)
         if deployment is not None and role in deployment.remote_roles() and not self._dry:
-            from leasekit.cluster import hosts  # SSH host support; require_local() checked it is there
+            from leasekit.cluster.remote import server_on_host  # SSH host support; require_local() checked it is there
 
-            server = hosts.server_on_host(deployment, role, spec, self.run_dir)
+            server = server_on_host(deployment, role, spec, self.run_dir)
         else:
             server = VllmServer(spec, self.run_dir, python=python)
         if not self._dry:

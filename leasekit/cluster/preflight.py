@@ -123,7 +123,7 @@ def _ranges(cores: set[int]) -> str:
 
 
 def default_runner_for(pair: PairFile) -> Callable[[str], Runner]:
-    """``host name -> Runner``: :func:`local_runner` for this machine, ``leasekit.cluster.hosts``'
+    """``host name -> Runner``: :func:`local_runner` for this machine, ``leasekit.cluster.remote``'
     ``runner_for(name, HostSpec)`` for another one.
 
     The returned callable raises:
@@ -133,13 +133,13 @@ def default_runner_for(pair: PairFile) -> Callable[[str], Runner]:
         if pair.is_local(name):
             return local_runner
         try:
-            from leasekit.cluster import hosts  # noqa: PLC0415 - optional, SSH host support
+            from leasekit.cluster import remote as ssh_support  # noqa: PLC0415 - optional, SSH host support
         except ImportError:
-            hosts = None
-        if hosts is None or not callable(getattr(hosts, "runner_for", None)):
-            raise PairFileError(f"host {name!r} is another machine and SSH host support (leasekit.cluster.hosts) is not "
+            ssh_support = None
+        if ssh_support is None or not callable(getattr(ssh_support, "runner_for", None)):
+            raise PairFileError(f"host {name!r} is another machine and SSH host support (leasekit.cluster.remote) is not "
                                 "installed, so it cannot be checked; fix: run leasekit on that machine")
-        return hosts.runner_for(name, pair.host(name))
+        return ssh_support.runner_for(name, pair.host(name))
 
     return runner_for
 

@@ -23,7 +23,8 @@ from pathlib import Path, PurePosixPath
 
 from leasekit.cluster.hosts import Host, HostError
 from leasekit.cluster.procs import wait_until
-from leasekit.cluster.server import ServerSpec, ServerStartError, ServerStartTimeout, VllmServer
+from leasekit.cluster.server import ServerStartError, ServerStartTimeout, VllmServer
+from leasekit.cluster.serverspec import ServerSpec
 from leasekit.cluster.sleepfix import install_on_host, shim_name
 
 SHIPPED_MODELS = "/tmp/leasekit-models"

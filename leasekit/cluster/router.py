@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from leasekit.cluster.server import SERVED_MODEL_NAME
+from leasekit.cluster.serverspec import SERVED_MODEL_NAME
 
 
 @dataclass

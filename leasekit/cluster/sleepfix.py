@@ -4,7 +4,7 @@ libfaketime 0.9.10 (Debian bookworm) with ``FAKETIME_DONT_FAKE_MONOTONIC=1`` bre
 ``clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME)`` (wolfcw/libfaketime#426): every Python >= 3.11
 ``time.sleep`` then raises ``OSError: [Errno 22]``. A process whose wall clock is faked preloads this
 shim ahead of libfaketime; it sends monotonic and boottime sleeps straight to the kernel.
-:mod:`leasekit.chaos.faults.clock` builds it on this machine; :func:`install_on_host` builds it on a
+:mod:`leasekit.cluster.clockshift` builds it on this machine; :func:`install_on_host` builds it on a
 server's host (a server started over SSH preloads the host's copy, not this machine's).
 """
 

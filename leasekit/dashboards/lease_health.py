@@ -150,7 +150,11 @@ def _per_remote_peer() -> list[Builder]:
                    "(not_utf8, no_colon, bad_count, ...) would crash stock P's engine; foreign_* are heartbeats or "
                    "completions from an agent the lease is not bound to (a misrouted or forging peer).",
                    [Query(sum_rate(_c(m.NOTIFICATIONS_DROPPED), I + ", reason", W, F), "{{instance}} {{reason}}")],
-                   "ops", width=24, stacked=True),
+                   "ops", width=12, stacked=True),
+        timeseries("Spans not exported by reason", m.SPANS_DROPPED.help + " Lease evidence (spans) is missing for "
+                   "these; metrics and logs still carry every transition.",
+                   [Query(sum_rate(_c(m.SPANS_DROPPED), I + ", reason", W, F), "{{instance}} {{reason}}")],
+                   "ops", width=12, stacked=True),
         timeseries("Handshake listener up (P)", m.HANDSHAKE_LISTENER_UP.help + " Per server: the min over "
                    "engines (one engine down is down). Stock vLLM 0.32's listener dies on one malformed request.",
                    [Query(f"min by ({I}) ({m.HANDSHAKE_LISTENER_UP.name}{{{F}}})", "{{instance}} up")],

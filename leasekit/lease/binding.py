@@ -24,7 +24,7 @@ Pure: no clock, no I/O. Not thread-safe (P's engine loop is the only caller).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 MAX_CONSUMERS = 64
 """Most distinct agents admitted as consumers of one lease (D TP ranks reading one P rank)."""
@@ -33,18 +33,18 @@ COUNTED, RELEASED, DUPLICATE, FOREIGN = "counted", "released", "duplicate", "for
 """Outcomes of :meth:`LeaseBinding.completion`."""
 
 
-@dataclass
+@dataclass(slots=True)
 class _Bound:
     agent: str
     expected: int | None = None  # n from the bound agent's completion
-    consumers: set[str] = field(default_factory=set)
+    consumers: tuple[str, ...] = ()  # agents whose completion counted (a few: one per D TP rank)
 
 
 class LeaseBinding:
     """Per-lease sender binding (see module docstring). Keys are P-side request ids."""
 
     def __init__(self) -> None:
-        self._bound: dict[str, _Bound] = {}
+        self._bound: dict[str, _Bound | str] = {}  # a bare agent name until the first completion (smaller)
 
     def __len__(self) -> int:
         return len(self._bound)
@@ -55,15 +55,15 @@ class LeaseBinding:
     def bound_agent(self, req_id: str) -> str | None:
         """The agent ``req_id``'s lease is bound to, or None if no agent touched it yet."""
         bound = self._bound.get(req_id)
-        return None if bound is None else bound.agent
+        return bound if bound is None or isinstance(bound, str) else bound.agent
 
     def heartbeat(self, req_id: str, agent: str) -> bool:
         """Whether ``agent``'s heartbeat may extend the live lease ``req_id`` (binds it on first contact)."""
         bound = self._bound.get(req_id)
         if bound is None:
-            self._bound[req_id] = _Bound(agent)
+            self._bound[req_id] = agent
             return True
-        return bound.agent == agent
+        return (bound if isinstance(bound, str) else bound.agent) == agent
 
     def completion(self, req_id: str, agent: str, expected_consumers: int) -> str:
         """Apply one read completion ``"<req_id>:<expected_consumers>"`` from ``agent``.
@@ -78,15 +78,15 @@ class LeaseBinding:
         if expected_consumers < 1:
             raise ValueError(f"expected_consumers must be >= 1, got {expected_consumers}")
         bound = self._bound.get(req_id)
-        if bound is None:
-            bound = self._bound[req_id] = _Bound(agent)
+        if bound is None or isinstance(bound, str):
+            bound = self._bound[req_id] = _Bound(agent if bound is None else bound)
         if agent in bound.consumers:
             return DUPLICATE
         if agent == bound.agent:
             bound.expected = expected_consumers
         elif expected_consumers <= 1 or len(bound.consumers) >= MAX_CONSUMERS:
             return FOREIGN
-        bound.consumers.add(agent)
+        bound.consumers += (agent,)
         if bound.expected is not None and bound.agent in bound.consumers and len(bound.consumers) >= bound.expected:
             del self._bound[req_id]
             return RELEASED

@@ -80,7 +80,7 @@ def loss_budget(timing: LeaseTiming) -> int:
 
     The largest integer ``k >= 0`` with ``k < (E - H) / H``. For the default ``L = 30``
     (``H = 5``, ``E = 20``) this is 2; losing 3 puts the next heartbeat exactly on the
-    expiry instant (the tie of CASES.md K08).
+    expiry instant (the tie of incident class K08: a stall of exactly the budget).
 
     Raises:
         LeaseConfigError: ``H == 0`` (``L < 6``: heartbeats go out every step, so a budget counted in

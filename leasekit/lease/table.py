@@ -50,7 +50,7 @@ class Lease:
     kv_blocks: int = 0
     token: int = 0
     expected_consumers: int | None = None
-    consumers: set = field(default_factory=set)
+    consumers: set | None = None  # distinct senders that completed (made at the first one)
     completions: int = 0
     extend_count: int = 0
     last_heartbeat_s: float | None = None
@@ -98,15 +98,25 @@ class PLeaseTable:
             (for a lease that ended) from unknown ids.
         max_buffered: cap on completions buffered before their grant (oldest dropped, counted).
 
+        max_hold_s: seconds after its grant past which no renewal moves a lease's deadline (the max-hold
+            cap, ``leasekit_max_hold_s``); None: no cap.
+
+    Raises:
+        ValueError: ``ended_memory`` or ``max_buffered`` negative, ``max_hold_s`` shorter than ``L``.
+
     Counters (``counters``): granted, extended, released, expired, aborted, completions,
     duplicate_completions, buffered_completions, buffer_dropped, late_completions,
     unknown_heartbeat_ids, decode_errors.
     """
 
-    def __init__(self, timing: LeaseTiming, *, ended_memory: int = 65536, max_buffered: int = 4096):
+    def __init__(self, timing: LeaseTiming, *, ended_memory: int = 65536, max_buffered: int = 4096,
+                 max_hold_s: float | None = None):
         if ended_memory < 0 or max_buffered < 0:
             raise ValueError("ended_memory and max_buffered must be >= 0")
+        if max_hold_s is not None and not max_hold_s >= timing.lease_duration_s:
+            raise ValueError(f"max_hold_s must be >= L = {timing.lease_duration_s} s, got {max_hold_s!r}")
         self.timing = timing
+        self.max_hold_s = max_hold_s
         self._leases: dict[str, Lease] = {}
         self._heap: list[tuple[float, int, str]] = []
         self._tokens = 0
@@ -142,8 +152,13 @@ class PLeaseTable:
         return self._ended.get(req_id)
 
     # -- transitions -----------------------------------------------------------------------
-    def grant(self, req_id: str, now_s: float, *, kv_blocks: int = 0, duration_s: float | None = None) -> Lease | LeaseEnd:
-        """Pin ``req_id``'s blocks until ``now + L`` (or ``now + duration_s``).
+    def grant(self, req_id: str, now_s: float, *, kv_blocks: int = 0, duration_s: float | None = None,
+              deadline_s: float | None = None) -> Lease | LeaseEnd:
+        """Pin ``req_id``'s blocks until ``now + L`` (or ``now + duration_s``, or exactly ``deadline_s``).
+
+        ``deadline_s``: the deadline vLLM stamped (P's worker rebases the scheduler's ``now + L`` onto
+        its own clock, vllm 0.32.0 ``nixl/pull_worker.py: start_load_kv``); the grant instant is then
+        ``deadline_s - L``.
 
         Returns the new lease, or its :class:`LeaseEnd` if buffered completions already cover all
         consumers (the read finished before the grant: K06). Granting a live id returns it unchanged.
@@ -151,9 +166,13 @@ class PLeaseTable:
         live = self._leases.get(req_id)
         if live is not None:
             return live
-        duration = self.timing.lease_duration_s if duration_s is None else duration_s
+        if deadline_s is None:
+            deadline_s = now_s + (self.timing.lease_duration_s if duration_s is None else duration_s)
+            granted_at = now_s
+        else:
+            granted_at = deadline_s - self.timing.lease_duration_s
         self._tokens += 1
-        lease = Lease(req_id, now_s, now_s + duration, kv_blocks, self._tokens)
+        lease = Lease(req_id, granted_at, deadline_s, kv_blocks, self._tokens)
         self._leases[req_id] = lease
         self._ended.pop(req_id, None)
         self._push(lease)
@@ -170,22 +189,50 @@ class PLeaseTable:
 
     def heartbeat(self, req_ids: Iterable[str], now_s: float) -> list[str]:
         """Renew every named live lease to ``max(deadline, now + E)``; returns the unknown ids."""
-        new_deadline = now_s + self.timing.extension_s
-        unknown: list[str] = []
-        extended = 0
-        for req_id in req_ids:
-            lease = self._leases.get(req_id)
-            if lease is None:
-                unknown.append(req_id)
-                continue
-            lease.extend_count += 1
-            lease.last_heartbeat_s = now_s
-            if new_deadline > lease.deadline_s:
-                lease.deadline_s = new_deadline  # its heap entry stays a valid lower bound
-            extended += 1
-        self.counters["extended"] += extended
+        unknown = [req_id for req_id in req_ids if self.renew(req_id, now_s) is None]
         self.counters["unknown_heartbeat_ids"] += len(unknown)
         return unknown
+
+    def renew(self, req_id: str, now_s: float, extension_s: float | None = None) -> float | None:
+        """One delivered heartbeat naming ``req_id``: ``deadline = max(deadline, min(now + E, cap))``
+        (vllm 0.32.0 ``nixl/base_worker.py: _handle_heartbeat``, plus the max-hold cap). O(1).
+
+        ``extension_s``: ``E`` in seconds (default ``timing.extension_s``; P's worker passes vLLM's own
+        ``_lease_extension``). Returns the deadline now in force, or None if ``req_id`` is not live."""
+        lease = self._leases.get(req_id)
+        if lease is None:
+            return None
+        new = now_s + (self.timing.extension_s if extension_s is None else extension_s)
+        if self.max_hold_s is not None:
+            new = min(new, lease.granted_at_s + self.max_hold_s)
+        lease.extend_count += 1
+        lease.last_heartbeat_s = now_s
+        if new > lease.deadline_s:
+            lease.deadline_s = new  # its heap entry stays a valid lower bound
+        self.counters["extended"] += 1
+        return lease.deadline_s
+
+    def expiring_within(self, seconds: float, now_s: float) -> int:
+        """How many live leases have a deadline earlier than ``now + seconds`` (the "expiring soon"
+        gauge). Cost O(k log n) for the k heap entries under the horizon, not O(n): each is popped; an
+        entry whose lease was renewed past the horizon goes back with its current deadline (so it is not
+        looked at again until that deadline comes near), one whose lease ended is dropped."""
+        horizon = now_s + seconds
+        heap, leases = self._heap, self._leases
+        under: list[tuple[float, int, str]] = []
+        while heap and heap[0][0] < horizon:
+            _, token, req_id = heapq.heappop(heap)
+            lease = leases.get(req_id)
+            if lease is None or lease.token != token:
+                continue  # the lease ended
+            entry = (lease.deadline_s, token, req_id)
+            if lease.deadline_s >= horizon:
+                heapq.heappush(heap, entry)  # renewed: re-keyed past the horizon
+            else:
+                under.append(entry)
+        for entry in under:
+            heapq.heappush(heap, entry)
+        return len(under)
 
     def completion(self, req_id: str, expected_consumers: int, now_s: float, sender: Hashable | None = None) -> CompletionResult:
         """Count one consumer's read completion (``"{req_id}:{n}"`` from ``sender``)."""
@@ -201,6 +248,8 @@ class PLeaseTable:
             return self._buffer(req_id, expected_consumers, now_s, sender)
         lease.expected_consumers = expected_consumers  # every reader reports the same n (vLLM overwrites too)
         if sender is not None:
+            if lease.consumers is None:
+                lease.consumers = set()
             if sender in lease.consumers:
                 self.counters["duplicate_completions"] += 1
                 return CompletionResult("duplicate")
@@ -209,6 +258,31 @@ class PLeaseTable:
         if lease.completions >= expected_consumers:
             return CompletionResult("released", self._end(lease, Outcome.RELEASED, now_s))
         return CompletionResult("counted")
+
+    def set_deadline(self, req_id: str, deadline_s: float) -> bool:
+        """Set a live lease's deadline to exactly ``deadline_s`` (seconds), shorter or longer: vLLM
+        re-stamps ``_reqs_to_send`` when a request is sent twice (``nixl/pull_worker.py: start_load_kv``).
+        O(log n). False if ``req_id`` is not live."""
+        lease = self._leases.get(req_id)
+        if lease is None:
+            return False
+        if deadline_s < lease.deadline_s:  # the old entry is no longer a lower bound: retire it
+            self._tokens += 1
+            lease.token = self._tokens
+            lease.deadline_s = deadline_s
+            self._push(lease)
+        else:
+            lease.deadline_s = deadline_s
+        return True
+
+    def discard(self, req_id: str) -> bool:
+        """Forget a live lease without an outcome (its end is recorded elsewhere); O(1). False if not live."""
+        lease = self._leases.pop(req_id, None)
+        return lease is not None
+
+    def ids(self) -> list[str]:
+        """The live leases' request ids (a copy)."""
+        return list(self._leases)
 
     def release(self, req_id: str, now_s: float) -> LeaseEnd | None:
         """End a live lease as ``released`` (idempotent: None if not live)."""

@@ -1,9 +1,10 @@
 """A deterministic virtual-time P/D model over :mod:`leasekit.lease` (milliseconds per case).
 
-For the public incident timelines (CASES.md K01-K13) and property tests: per-process clocks with
-offsets and rates, a notification bus that can drop, delay, duplicate and reorder, a D scheduler
-with admission rate, queue and forward-pass lengths, TP fan-out, kill and restart, and per-rank KV
-block pools with generation counters so a read of freed or reused blocks is always detected.
+For the incident timelines (classes K01-K13, ``tests/sim/test_cases.py``) and property tests:
+per-process clocks with offsets and rates, a notification bus that can drop, delay, duplicate and
+reorder, a D scheduler with admission rate, queue and forward-pass lengths, TP fan-out, kill and
+restart, and per-rank KV block pools with generation counters so a read of freed or reused blocks
+is always detected.
 The sim is a tool for the protocol; it does not replace the real pair.
 """
 

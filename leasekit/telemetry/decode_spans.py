@@ -16,7 +16,7 @@ from typing import Callable, Mapping
 from opentelemetry import trace
 
 from leasekit.telemetry import semconv as sc
-from leasekit.telemetry.lease_spans import parent_context
+from leasekit.telemetry.tracecontext import parent_context
 
 
 @dataclass(slots=True)

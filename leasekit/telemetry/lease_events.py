@@ -71,4 +71,9 @@ class LeaseEvent:
 
 
 LeaseObserver = Callable[[LeaseEvent], None]
-"""Anything called with each :class:`LeaseEvent`; it may raise (the connector logs and goes on)."""
+"""Anything called with each :class:`LeaseEvent`; it may raise (the connector logs and goes on).
+
+Two optional methods keep the per-heartbeat path cheap (one extension per lease per heartbeat):
+``on_extend(remote_agent, gap_s)``, if present, is called for every extension instead of building an
+EXTEND event for that observer; ``wants(kind) -> bool``, if present, is asked before an event of
+``kind`` is built for it (e.g. a log observer whose level is off)."""

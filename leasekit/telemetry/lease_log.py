@@ -80,6 +80,10 @@ class LeaseLogObserver:
     def __init__(self, logger: logging.Logger | None = None):
         self.logger = logger or lease_logger()
 
+    def wants(self, kind: str) -> bool:
+        """Whether an event of ``kind`` would be logged at all (late reads: checked again per event)."""
+        return kind == ev.LATE_READ or self.logger.isEnabledFor(_LEVELS.get(kind, logging.INFO))
+
     def __call__(self, event: LeaseEvent) -> None:
         """Log ``event`` at its kind's level; fields that are None are left out."""
         level = _LEVELS.get(event.kind, logging.INFO)

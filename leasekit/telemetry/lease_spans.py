@@ -1,57 +1,62 @@
 """Lease spans: one OpenTelemetry span per lease per P worker (TP rank), from grant to its end.
 
-Each transition is a *span event* on the lease span, not a child span: a lease sees one heartbeat
-per interval ``H`` for as long as D keeps it waiting, and a child span per extension would make span
-volume grow with requests x heartbeats. Events keep one span per lease; extension events are capped
-(``max_extend_events``, oldest kept) while ``leasekit.extend_count`` and
-``leasekit.last_extend_monotonic_s`` always carry the full count and the last delivered heartbeat.
+Each transition is a *span event* on the lease span, not a child span (a child span per heartbeat would
+make span volume grow with requests x heartbeats). Nothing of the span exists while the lease is open:
+the recorder keeps a compact record (a few numbers, the kept events in a flat ``array``: a few hundred
+bytes whatever the heartbeat count); when the lease ends the span is built, with its start time and
+event timestamps set back to each transition, by a :class:`~leasekit.telemetry.span_builder.SpanBuilder`
+(in production on its own thread, so P's engine step pays a few field writes per transition, and the
+span processors encode and write off that thread too). Extension events are bounded
+(``max_extend_events``: the first extension and the latest ones are kept; the others are counted in
+``leasekit.extend_events_dropped``), while ``leasekit.extend_count`` and
+``leasekit.last_extend_monotonic_s`` always carry the full count and the last delivered heartbeat; every
+heartbeat also reaches the metrics (``leasekit_kv_lease_extensions_total``, the heartbeat-gap histogram)
+through the observers.
 
 Times passed in are seconds on the worker's ``time.perf_counter`` (where vLLM keeps lease deadlines,
 vllm 0.32.0 ``base_worker.py: _reqs_to_send``); every event records it as ``leasekit.monotonic_s``.
+A process killed while a lease is open writes no span for it (as before: a span is exported when it ends).
 """
 
 from __future__ import annotations
 
 import time
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Mapping, Sequence
 
-from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from leasekit.lease.config import LeaseTiming
 from leasekit.telemetry import lease_events as ev
 from leasekit.telemetry import semconv as sc
 from leasekit.telemetry.lease_events import LeaseEvent, LeaseObserver
+from leasekit.telemetry.span_builder import SpanBuilder
+from leasekit.telemetry.tracecontext import parent_context
 
-_PROPAGATOR = TraceContextTextMapPropagator()
-
-
-def parent_context(trace_headers: Mapping[str, str] | None) -> otel_context.Context | None:
-    """The W3C trace context (``traceparent``/``tracestate``) of an incoming request, or None.
-
-    vLLM keeps a request's trace headers on ``Request.trace_headers`` (vllm 0.32.0
-    ``vllm/v1/request.py``, filled from the HTTP headers by ``serving.py: _get_trace_headers``);
-    a lease span started in this context joins the request's trace (W3C Trace Context spec)."""
-    if not trace_headers:
-        return None
-    ctx = _PROPAGATOR.extract(carrier=dict(trace_headers))
-    return ctx if trace.get_current_span(ctx).get_span_context().is_valid else None
+MAX_RETRIEVAL_EVENTS = 8
+"""Read-completion events kept per lease span (one per consumer rank; later ones are counted only)."""
 
 
 @dataclass(slots=True)
 class _OpenLease:
-    span: trace.Span
+    """What the recorder keeps of one open lease (the span is built from it when the lease ends)."""
+
     deadline_s: float
-    grant_s: float = 0.0
+    grant_s: float
+    granted_now_s: float  # ``now`` at the grant call: the grant event's instant
+    parent: Any = None  # the request's W3C trace context, if it carried one
     kv_blocks: int | None = None
     extend_count: int = 0
-    extend_events_dropped: int = 0
     retrievals: int = 0
     last_extend_s: float | None = None
     remote_agent: str | None = None
+    extends: Any = None  # array('f'): kept extension events, flattened (now_s - grant_s, deadline_s - grant_s):
+    # the first, then the latest (float32 offsets: within 0.1 ms over a lease's whole max hold)
+    reads: tuple = ()  # kept retrieval events: ((now_s, remote_agent), ...)
+    extra: tuple = ()  # annotate(): (key, value, key, value, ...)
 
 
 class LeaseSpanRecorder:
@@ -67,9 +72,12 @@ class LeaseSpanRecorder:
         timing: the lease timing in force (recorded on every span).
         kv_role: vLLM ``kv_role`` of this engine (``kv_producer`` for P).
         clock: seconds clock used when ``now`` is not given; must be the clock deadlines use.
-        max_extend_events: extension events kept per span (>= 0); later ones are counted only.
+        max_extend_events: extension events kept per span (>= 0): the first and the latest
+            ``max_extend_events - 1``; the others are counted in ``leasekit.extend_events_dropped``.
         observers: called with a :class:`LeaseEvent` after each transition is on the span
             (Prometheus stats, structured logs); an observer's exception propagates to the caller.
+        spans: where ended leases' spans are built (:class:`leasekit.telemetry.span_builder.SpanBuilder`;
+            default: inline, on the caller's thread; the connector passes a background one).
 
     Raises:
         ValueError: ``max_extend_events`` is negative.
@@ -84,8 +92,9 @@ class LeaseSpanRecorder:
         timing: LeaseTiming,
         kv_role: str = "kv_producer",
         clock: Callable[[], float] = time.perf_counter,
-        max_extend_events: int = 64,
+        max_extend_events: int = 8,
         observers: Sequence[LeaseObserver] = (),
+        spans: SpanBuilder | None = None,
     ):
         if max_extend_events < 0:
             raise ValueError(f"max_extend_events must be >= 0, got {max_extend_events}")
@@ -97,6 +106,9 @@ class LeaseSpanRecorder:
         self._clock = clock
         self._max_extend_events = max_extend_events
         self._observers = tuple(observers)
+        self._on_extend = tuple(o.on_extend for o in observers if hasattr(o, "on_extend"))
+        self._extend_observers = tuple(o for o in observers if not hasattr(o, "on_extend"))
+        self._spans = spans if spans is not None else SpanBuilder(background=False)
         self._open: dict[str, _OpenLease] = {}
         self._ended: OrderedDict[str, tuple[str, float]] = OrderedDict()  # req_id -> (outcome, end s)
         self._ended_memory = 65536
@@ -105,6 +117,11 @@ class LeaseSpanRecorder:
     def has(self, req_id: str) -> bool:
         """Whether a lease for ``req_id`` is open on this worker."""
         return req_id in self._open
+
+    @property
+    def timing(self) -> LeaseTiming:
+        """The lease timing recorded on every span."""
+        return self._timing
 
     @property
     def active(self) -> int:
@@ -132,10 +149,12 @@ class LeaseSpanRecorder:
         return sum(1 for lease in self._open.values() if lease.deadline_s < limit)
 
     def _emit(self, kind: str, req_id: str, now: float, **fields) -> None:
-        if not self._observers:
+        pool = self._extend_observers if kind == ev.EXTEND else self._observers
+        observers = [o for o in pool if getattr(o, "wants", None) is None or o.wants(kind)]
+        if not observers:
             return
         event = LeaseEvent(kind, req_id, self._engine_id, self._tp_rank, self._kv_role, now, **fields)
-        for observer in self._observers:
+        for observer in observers:
             observer(event)
 
     # -- transitions -----------------------------------------------------------------------
@@ -154,30 +173,8 @@ class LeaseSpanRecorder:
         if req_id in self._open:
             return False
         now = self._clock() if now is None else now
-        grant_s = deadline_s - self._timing.lease_duration_s
-        attributes = {
-            sc.REQUEST_ID: req_id,
-            sc.ENGINE_ID: self._engine_id,
-            sc.KV_ROLE: self._kv_role,
-            sc.TP_RANK: self._tp_rank,
-            sc.LEASE_DURATION_S: float(self._timing.lease_duration_s),
-            sc.EXTENSION_S: float(self._timing.extension_s),
-            sc.GRANT_MONOTONIC_S: grant_s,
-            sc.INITIAL_DEADLINE_MONOTONIC_S: deadline_s,
-        }
-        if kv_blocks is not None:
-            attributes[sc.KV_BLOCKS] = int(kv_blocks)
-        span = self._tracer.start_span(
-            sc.LEASE_SPAN_NAME,
-            context=parent_context(trace_headers),
-            kind=trace.SpanKind.INTERNAL,
-            attributes=attributes,
-        )
-        span.add_event(
-            sc.EVENT_GRANT,
-            {sc.EV_MONOTONIC_S: now, sc.EV_DEADLINE_REMAINING_S: deadline_s - now},
-        )
-        self._open[req_id] = _OpenLease(span=span, deadline_s=deadline_s, grant_s=grant_s, kv_blocks=kv_blocks)
+        self._open[req_id] = _OpenLease(deadline_s, deadline_s - self._timing.lease_duration_s, now,
+                                        parent=parent_context(trace_headers), kv_blocks=kv_blocks)
         self._emit(ev.GRANT, req_id, now, kv_blocks=kv_blocks, deadline_remaining_s=deadline_s - now)
         return True
 
@@ -186,7 +183,8 @@ class LeaseSpanRecorder:
         lease = self._open.get(req_id)
         if lease is None:
             return False
-        lease.span.set_attributes(dict(attributes))
+        for item in attributes.items():
+            lease.extra += item
         return True
 
     def extend(self, req_id: str, deadline_s: float, *, remote_agent: str | None = None, now: float | None = None) -> bool:
@@ -201,21 +199,21 @@ class LeaseSpanRecorder:
         lease.last_extend_s = now
         if remote_agent and lease.remote_agent is None:
             lease.remote_agent = remote_agent
-            lease.span.set_attribute(sc.REMOTE_AGENT, remote_agent)
-        if lease.extend_count <= self._max_extend_events:
-            lease.span.add_event(
-                sc.EVENT_EXTEND,
-                {
-                    sc.EV_MONOTONIC_S: now,
-                    sc.EV_DEADLINE_REMAINING_S: deadline_s - now,
-                    sc.EV_EXTEND_COUNT: lease.extend_count,
-                },
-            )
-        else:
-            lease.extend_events_dropped += 1
-        self._emit(
-            ev.EXTEND, req_id, now, remote_agent=lease.remote_agent, gap_s=gap_s, deadline_remaining_s=deadline_s - now
-        )
+        keep = self._max_extend_events
+        if keep:
+            kept = lease.extends
+            if kept is None:
+                kept = lease.extends = array("f")
+            if len(kept) < 2 * keep:
+                kept.extend((now - lease.grant_s, deadline_s - lease.grant_s))
+            elif keep > 1:  # full: drop the oldest after the first, keep the latest
+                del kept[2:4]
+                kept.extend((now - lease.grant_s, deadline_s - lease.grant_s))
+        for on_extend in self._on_extend:  # the per-heartbeat fast path (no event object)
+            on_extend(lease.remote_agent, gap_s)
+        if self._extend_observers:
+            self._emit(ev.EXTEND, req_id, now, remote_agent=lease.remote_agent, gap_s=gap_s,
+                       deadline_remaining_s=deadline_s - now)
         return True
 
     def retrieval(self, req_id: str, *, remote_agent: str | None = None, now: float | None = None) -> bool:
@@ -227,11 +225,8 @@ class LeaseSpanRecorder:
         lease.retrievals += 1
         if remote_agent and lease.remote_agent is None:
             lease.remote_agent = remote_agent
-            lease.span.set_attribute(sc.REMOTE_AGENT, remote_agent)
-        attributes = {sc.EV_MONOTONIC_S: now, sc.EV_RETRIEVALS: lease.retrievals}
-        if remote_agent:
-            attributes[sc.EV_REMOTE_AGENT] = remote_agent
-        lease.span.add_event(sc.EVENT_RETRIEVAL, attributes)
+        if len(lease.reads) < MAX_RETRIEVAL_EVENTS:
+            lease.reads += ((now, remote_agent),)
         return True
 
     def release(self, req_id: str, *, now: float | None = None) -> bool:
@@ -274,10 +269,18 @@ class LeaseSpanRecorder:
             attributes[sc.REMOTE_AGENT] = remote_agent
         if fail_closed is not None:
             attributes[sc.D_FAIL_CLOSED] = fail_closed
-        self._tracer.start_span(sc.LATE_READ_SPAN_NAME, attributes=attributes).end()
+        self._spans.submit(partial(self._late_span, attributes, time.time_ns()))
         self._emit(ev.LATE_READ, req_id, now, remote_agent=remote_agent, outcome=outcome, late_by_s=now - end_s,
                    fail_closed=fail_closed)
         return True
+
+    def _late_span(self, attributes: dict[str, Any], at_ns: int) -> None:
+        self._tracer.start_span(sc.LATE_READ_SPAN_NAME, attributes=attributes, start_time=at_ns).end(end_time=at_ns)
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Wait until every ended lease's span has been built and ended (handed to the span processors);
+        False if ``timeout_s`` seconds passed first."""
+        return self._spans.flush(timeout_s)
 
     def abort_all(self, reason: str) -> int:
         """Abort every open lease (worker shutdown); returns how many were open."""
@@ -301,39 +304,13 @@ class LeaseSpanRecorder:
         if lease is None:
             return False
         now = self._clock() if now is None else now
-        span = lease.span
-        event_attributes = {
-            sc.EV_MONOTONIC_S: now,
-            sc.EV_DEADLINE_REMAINING_S: lease.deadline_s - now,
-            sc.EV_RETRIEVALS: lease.retrievals,
-        }
-        if reason:
-            event_attributes[sc.ABORT_REASON] = reason
-        span.add_event(event, event_attributes)
-        attributes = {
-            sc.OUTCOME: outcome,
-            sc.END_MONOTONIC_S: now,
-            sc.DEADLINE_MONOTONIC_S: lease.deadline_s,
-            sc.EXTEND_COUNT: lease.extend_count,
-            sc.EXTEND_EVENTS_DROPPED: lease.extend_events_dropped,
-            sc.RETRIEVALS: lease.retrievals,
-        }
-        if lease.last_extend_s is not None:
-            attributes[sc.LAST_EXTEND_MONOTONIC_S] = lease.last_extend_s
+        end_ns = time.time_ns()
         expired = outcome == sc.OUTCOME_EXPIRED
         if not expired:
             cause = None
         elif cause is None:
             cause = ev.CAUSE_NO_HEARTBEAT if lease.extend_count == 0 else ev.CAUSE_HEARTBEAT_LAPSED
-        if expired:
-            attributes[sc.RECLAIM_LAG_S] = now - lease.deadline_s
-            attributes[sc.EXPIRY_CAUSE] = cause
-        if step_gap_s is not None:
-            attributes[sc.STEP_GAP_S] = step_gap_s
-        if reason:
-            attributes[sc.ABORT_REASON] = reason
-        span.set_attributes(attributes)
-        span.end()
+        self._spans.submit(partial(self._build, req_id, lease, outcome, event, now, end_ns, step_gap_s, reason, cause))
         self._ended[req_id] = (outcome, now)
         while len(self._ended) > self._ended_memory:
             self._ended.popitem(last=False)
@@ -352,3 +329,72 @@ class LeaseSpanRecorder:
             reason=reason,
         )
         return True
+
+    def _build(self, req_id: str, lease: _OpenLease, outcome: str, event: str, now: float, end_ns: int,
+               step_gap_s: float | None, reason: str | None, cause: str | None) -> None:
+        """Build and end the SDK span of an ended lease (on the span builder's thread in production):
+        start time and event timestamps set back to each transition (``end_ns`` is wall-clock ns at ``now``)."""
+
+        def at_ns(t: float) -> int:  # an instant on the worker clock, as wall-clock ns (span timestamps)
+            return end_ns - int((now - t) * 1e9)
+
+        expired = outcome == sc.OUTCOME_EXPIRED
+        kept = [lease.grant_s + x for x in lease.extends] if lease.extends is not None else ()
+        attributes = {
+            sc.REQUEST_ID: req_id,
+            sc.ENGINE_ID: self._engine_id,
+            sc.KV_ROLE: self._kv_role,
+            sc.TP_RANK: self._tp_rank,
+            sc.LEASE_DURATION_S: float(self._timing.lease_duration_s),
+            sc.EXTENSION_S: float(self._timing.extension_s),
+            sc.GRANT_MONOTONIC_S: lease.grant_s,
+            sc.INITIAL_DEADLINE_MONOTONIC_S: lease.grant_s + self._timing.lease_duration_s,
+            sc.OUTCOME: outcome,
+            sc.END_MONOTONIC_S: now,
+            sc.DEADLINE_MONOTONIC_S: lease.deadline_s,
+            sc.EXTEND_COUNT: lease.extend_count,
+            sc.EXTEND_EVENTS_DROPPED: lease.extend_count - len(kept) // 2,
+            sc.RETRIEVALS: lease.retrievals,
+        }
+        if lease.kv_blocks is not None:
+            attributes[sc.KV_BLOCKS] = int(lease.kv_blocks)
+        if lease.remote_agent:
+            attributes[sc.REMOTE_AGENT] = lease.remote_agent
+        if lease.last_extend_s is not None:
+            attributes[sc.LAST_EXTEND_MONOTONIC_S] = lease.last_extend_s
+        if expired:
+            attributes[sc.RECLAIM_LAG_S] = now - lease.deadline_s
+            attributes[sc.EXPIRY_CAUSE] = cause
+        if step_gap_s is not None:
+            attributes[sc.STEP_GAP_S] = step_gap_s
+        if reason:
+            attributes[sc.ABORT_REASON] = reason
+        attributes.update(zip(lease.extra[::2], lease.extra[1::2]))
+        span = self._tracer.start_span(sc.LEASE_SPAN_NAME, context=lease.parent, kind=trace.SpanKind.INTERNAL,
+                                       attributes=attributes, start_time=at_ns(lease.granted_now_s))
+        t0 = lease.granted_now_s
+        span.add_event(sc.EVENT_GRANT, {sc.EV_MONOTONIC_S: t0,
+                                        sc.EV_DEADLINE_REMAINING_S: lease.grant_s + self._timing.lease_duration_s - t0},
+                       timestamp=at_ns(t0))
+        n_kept = len(kept) // 2  # the first extension, then the latest n_kept - 1 (consecutive)
+        marks = [(kept[2 * j], 0, j) for j in range(n_kept)] + [(t, 1, i) for i, (t, _) in enumerate(lease.reads)]
+        for t, kind, i in sorted(marks):  # extensions and retrievals in time order
+            if kind == 0:
+                count = 1 if i == 0 else lease.extend_count - (n_kept - 1 - i)
+                span.add_event(sc.EVENT_EXTEND, {sc.EV_MONOTONIC_S: t, sc.EV_DEADLINE_REMAINING_S: kept[2 * i + 1] - t,
+                                                 sc.EV_EXTEND_COUNT: count}, timestamp=at_ns(t))
+            else:
+                agent = lease.reads[i][1]
+                read = {sc.EV_MONOTONIC_S: t, sc.EV_RETRIEVALS: i + 1}
+                if agent:
+                    read[sc.EV_REMOTE_AGENT] = agent
+                span.add_event(sc.EVENT_RETRIEVAL, read, timestamp=at_ns(t))
+        event_attributes = {
+            sc.EV_MONOTONIC_S: now,
+            sc.EV_DEADLINE_REMAINING_S: lease.deadline_s - now,
+            sc.EV_RETRIEVALS: lease.retrievals,
+        }
+        if reason:
+            event_attributes[sc.ABORT_REASON] = reason
+        span.add_event(event, event_attributes, timestamp=end_ns)
+        span.end(end_time=end_ns)

@@ -209,6 +209,15 @@ VERDICT_SEND_FAILURES = MetricSpec(
     PREFIX + "verdict_send_failures", "counter",
     "Read verdicts P failed to send to a D agent (its ZMQ queue was full: D gone, partitioned or not reading; "
     "D discards that read after its timeout): counts per verdict, per P TP rank.", _RANK, "P")
+SPAN_DROP_REASONS = ("queue_full", "export_failed")
+"""``reason`` label values of :data:`SPANS_DROPPED`: ``queue_full`` (the span processor's bounded queue was
+full, or shutdown gave up waiting: the span was never handed to an exporter) and ``export_failed`` (the
+exporter failed: a write error such as a full disk, an OTLP error or timeout)."""
+SPANS_DROPPED = MetricSpec(
+    "leasekit_spans_dropped", "counter",
+    "Lease and heartbeat spans this worker did not export (the export queue was full, or the span file or "
+    "OTLP endpoint failed): counts per span, per TP rank, by reason. Spans are exported off the engine "
+    "thread, so a slow sink drops spans instead of slowing P's steps.", _RANK + ("reason",), "both")
 
 HANDSHAKE_BAD_REASONS = (
     "bad_frames", "oversized", "bad_msgpack", "bad_shape", "unknown_tag", "unknown_rank", "internal_error",
@@ -238,7 +247,7 @@ LEASEKIT_METRICS: tuple[MetricSpec, ...] = (
     LEASES_ACTIVE, PINNED_BLOCKS, EXPIRING_SOON, GRANTS, EXTENSIONS, RELEASES, EXPIRIES, ABORTS,
     LATE_COMPLETIONS, HEARTBEATS_SENT, HEARTBEAT_SEND_FAILURES, HOLD, HEARTBEAT_GAP, RECLAIM_LAG,
     DURATION, HEARTBEAT_INTERVAL, EXTENSION, NOTIFICATIONS_DROPPED, MAX_HOLD,
-    READS, READ_VERDICT_WAIT, READ_PROOFS_METRIC, VERDICT_SEND_FAILURES, PLEDGE_HOLD,
+    READS, READ_VERDICT_WAIT, READ_PROOFS_METRIC, VERDICT_SEND_FAILURES, PLEDGE_HOLD, SPANS_DROPPED,
     HANDSHAKE_LISTENER_UP, HANDSHAKE_REQUESTS, HANDSHAKE_BAD_REQUESTS,
 )
 """Every metric LeaseKitConnector exports, in documentation order."""

@@ -32,50 +32,97 @@ logger = logging.getLogger(__name__)
 class OtlpJsonLinesSpanExporter(SpanExporter):
     """Append finished spans to ``path``, one OTLP/JSON ``ExportTraceServiceRequest`` per line.
 
-    Each ``export`` call writes and flushes one line, so a process killed with SIGKILL loses at most
-    the line being written (readers skip a torn last line). Thread-safe.
+    Each ``export`` call appends one line with ``os.write`` on an ``O_APPEND`` descriptor (no
+    user-space buffer, so nothing waits in this process once ``export`` returns; a SIGKILL loses at
+    most the line being written, which readers skip). Behind :class:`BatchSpanProcessor` one line
+    holds one batch. A write that fails part-way (ENOSPC) leaves a partial line; the next line then
+    starts with a newline, so the partial one reads as one bad line and later lines stay readable.
+    Failures are logged once per run of failures, not once per export. Thread-safe.
 
     Args:
         path: the file to append to; parent directories are created.
+        close_timeout_s: seconds :meth:`shutdown` waits for a write in progress (a frozen
+            filesystem) before it gives up closing the file.
 
     Raises:
         OSError: the file cannot be created (at construction, so a bad run dir is refused at start).
     """
 
-    def __init__(self, path: str | os.PathLike[str]):
+    def __init__(self, path: str | os.PathLike[str], *, close_timeout_s: float = 1.0):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a", encoding="utf-8")
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o666)
         self._lock = threading.Lock()
         self._closed = False
+        self._torn = False  # the last write failed: the file may end in a partial line
+        self._failed_exports = self._failed_spans = 0  # in the current run of failures
+        self.close_timeout_s = close_timeout_s
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        """Write ``spans`` as one line; returns FAILURE (never raises) if the write fails."""
+        """Write ``spans`` as one line; returns FAILURE (never raises) if encoding or the write fails.
+        Blocks as long as the write does (a frozen filesystem): call it off the engine thread."""
         if self._closed:
             return SpanExportResult.FAILURE
         try:
             message = _hex_ids(json_format.MessageToDict(encode_spans(spans)))
-            line = json.dumps(message, separators=(",", ":")) + "\n"
-            with self._lock:
-                self._file.write(line)
-                self._file.flush()
-        except (OSError, ValueError) as exc:  # disk full, closed file, unencodable attribute
-            logger.warning("leasekit: could not write %d span(s) to %s: %s", len(spans), self.path, exc)
+            data = (json.dumps(message, separators=(",", ":")) + "\n").encode("utf-8")
+        except (ValueError, TypeError) as exc:  # an unencodable attribute
+            logger.warning("leasekit: could not encode %d span(s) for %s: %s", len(spans), self.path, exc)
             return SpanExportResult.FAILURE
+        with self._lock:
+            if self._closed or self._fd is None:
+                return SpanExportResult.FAILURE
+            try:
+                _write_all(self._fd, b"\n" + data if self._torn else data)
+            except OSError as exc:  # disk full, I/O error
+                self._torn = True
+                self._failed_exports += 1
+                self._failed_spans += len(spans)
+                if self._failed_exports == 1:
+                    logger.warning("leasekit: could not write %d span(s) to %s: %s; further failures are "
+                                   "not logged until a write succeeds", len(spans), self.path, exc)
+                return SpanExportResult.FAILURE
+            self._torn = False
+            if self._failed_exports:
+                logger.warning("leasekit: writing spans to %s again; %d span(s) in %d export(s) were lost",
+                               self.path, self._failed_spans, self._failed_exports)
+                self._failed_exports = self._failed_spans = 0
         return SpanExportResult.SUCCESS
 
     def shutdown(self) -> None:
-        """Close the file; later exports return FAILURE."""
-        with self._lock:
-            self._closed = True
-            self._file.close()
+        """Close the file; later exports return FAILURE. If a write is still blocked after
+        ``close_timeout_s`` seconds the file is left open (logged). Never raises."""
+        self._closed = True
+        if not self._lock.acquire(timeout=self.close_timeout_s):
+            logger.warning("leasekit: a span write to %s is still blocked after %.1f s; not closing it",
+                           self.path, self.close_timeout_s)
+            return
+        try:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+        except OSError as exc:
+            logger.warning("leasekit: closing %s: %s", self.path, exc)
+        finally:
+            self._lock.release()
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
-        """Flush the file (every export already flushes)."""
-        with self._lock:
-            if not self._closed:
-                self._file.flush()
+        """Nothing to do: ``export`` keeps no buffer in this process. Returns True."""
         return True
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """``os.write`` until all of ``data`` is written (a regular file may take a short write).
+
+    Raises:
+        OSError: the write failed (ENOSPC, EIO, EPIPE) or wrote nothing.
+    """
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        if written <= 0:
+            raise OSError(f"write returned {written}")
+        view = view[written:]
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,7 @@ from leasekit.telemetry.decode_spans import HeartbeatSpanRecorder  # noqa: E402
 from leasekit.telemetry.lease_log import LeaseLogObserver, RateLimitedWarning, lease_logger  # noqa: E402
 from leasekit.telemetry.lease_spans import LeaseSpanRecorder  # noqa: E402
 from leasekit.telemetry.provider import build_tracer_provider  # noqa: E402
+from leasekit.telemetry.span_builder import SpanBuilder  # noqa: E402
 from leasekit.lease.settings import (  # noqa: E402
     RUN_DIR_EXTRA_KEY,
     fail_closed_enabled,
@@ -121,6 +122,14 @@ class LeaseKitPullWorker(DHeartbeats, DReadGating, PNotificationHandling, NixlPu
 
     def __init__(self, vllm_config: "VllmConfig", engine_id: str, kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config, engine_id, kv_cache_config)
+        self._lk_setup(engine_id)
+
+    def _lk_setup(self, engine_id: str) -> None:
+        """LeaseKit's part of ``__init__``, run once vLLM's worker ``__init__`` has set its attributes
+        (``kv_transfer_config``, ``tp_rank``, ``nixl_wrapper``, ``_reqs_to_send`` ...). Benchmarks and tests
+        that build the stock part without a NIXL agent (as ``tests/vllm_replay.py`` does) call it directly.
+
+        Raises the configuration errors listed on :class:`LeaseKitConnector`."""
         self._lk_errors = TelemetryErrors(logger)
         lease_duration = self.kv_transfer_config.get_from_extra_config(
             "kv_lease_duration", DEFAULT_LEASE_DURATION_S
@@ -145,6 +154,7 @@ class LeaseKitPullWorker(DHeartbeats, DReadGating, PNotificationHandling, NixlPu
         max_hold_s, max_bytes = notification_settings(self.kv_transfer_config, timing.lease_duration_s)
         self._lk_stats.max_hold(kv_role, max_hold_s)
         tracer = self._lk_provider.get_tracer("leasekit.vllm")
+        self._lk_spans = SpanBuilder(background=True, name=f"leasekit-spans-tp{self.tp_rank}")
         self._lk = LeaseSpanRecorder(
             tracer,
             engine_id=engine_id,
@@ -152,8 +162,11 @@ class LeaseKitPullWorker(DHeartbeats, DReadGating, PNotificationHandling, NixlPu
             timing=timing,
             kv_role=kv_role,
             observers=(self._lk_stats, LeaseLogObserver()),
+            spans=self._lk_spans,
         )
-        self._lk_init_notifications(max_hold_s, max_bytes,
+        self._lk_span_drops = (0, 0)
+        self._lk_drops_at = 0.0
+        self._lk_init_notifications(max_hold_s, max_bytes, timing=timing,
                                     fail_closed=bool(self.kv_transfer_config.is_kv_producer and fail_closed_enabled(self.kv_transfer_config)),
                                     pledge_s=pledge_seconds(self.kv_transfer_config, timing.lease_duration_s))
         self._lk_init_gate(verdict_timeout(self.kv_transfer_config, timing.lease_duration_s),
@@ -201,8 +214,10 @@ class LeaseKitPullWorker(DHeartbeats, DReadGating, PNotificationHandling, NixlPu
             except Exception as exc:
                 self._lk_errors.report("track", exc)
         if metadata.reqs_to_send:
+            self._lk_leases.index(metadata.reqs_to_send, time.perf_counter())  # outside the telemetry guard
             self._lk_grants(metadata)
         self._lk_take_pledges(metadata)
+
 
     def _lk_grants(self, metadata: Any) -> None:
         """A grant (lease span) for each new ``_reqs_to_send`` entry of this step's metadata."""
@@ -231,24 +246,61 @@ class LeaseKitPullWorker(DHeartbeats, DReadGating, PNotificationHandling, NixlPu
                 for req_id in self._lk.open_ids():
                     if req_id not in self._reqs_to_send and req_id not in self._lk_deferred:
                         self._lk.abort(req_id, "left _reqs_to_send without release or expiry")
+            if now >= self._lk_drops_at:  # once a second: the counters only grow
+                self._lk_drops_at = now + 1.0
+                self._lk_report_span_drops()
             self._lk_sweep_bindings()
             self._lk_sweep_pledges()
             if self._lk.active or self._lk_stats.active or self._lk_stats.pinned_blocks:
-                self._lk_stats.state(self._lk.expiring_within(self._lk_timing.heartbeat_interval_s, now))
+                self._lk_stats.state(self._lk_leases.expiring_within(self._lk_timing.heartbeat_interval_s, now))
             else:
                 self._lk_stats.state(0)
         except Exception as exc:
             self._lk_errors.report("step", exc)
         return results
 
+    def _lk_report_span_drops(self) -> None:
+        """Queue the increase, since the last step, of the spans the provider dropped or failed to export
+        (``leasekit_spans_dropped_total``). Two lock-guarded reads per sink; no I/O. Called once a second."""
+        dropped = self._lk_provider.dropped_spans() + self._lk_spans.dropped
+        failed = self._lk_provider.failed_spans() + self._lk_spans.failed
+        last_dropped, last_failed = self._lk_span_drops
+        if dropped != last_dropped or failed != last_failed:
+            self._lk_span_drops = (dropped, failed)
+            if dropped > last_dropped:
+                self._lk_stats.spans_dropped("queue_full", dropped - last_dropped)
+            if failed > last_failed:
+                self._lk_stats.spans_dropped("export_failed", failed - last_failed)
+
     # -- extend, retrieval, release: leasekit.vllm.notifs.PNotificationHandling._get_new_notifs ----------
 
     # -- expire ----------------------------------------------------------------------------
     def _reap_expired_send_leases(self, done_sending: set[str]) -> None:
-        """Stock reap (full scan), then an expire event for each id it added to ``done_sending``."""
+        """vLLM's reap, on the leases the expiry heap says are due, then an expire event for each.
+
+        Stock (vllm 0.32.0 ``nixl/base_worker.py: _reap_expired_send_leases``) scans every entry of
+        ``_reqs_to_send`` each step (O(n)). Here :attr:`_lk_leases` (a min-heap over the same deadlines,
+        :class:`leasekit.vllm.prefill.expiry.ExpiryIndex`) yields the leases with ``deadline <= now`` in
+        O(k log n), each checked against ``_reqs_to_send``; vLLM's own method then reaps exactly those
+        (its accounting, stats and log line unchanged) with ``_reqs_to_send`` narrowed to them. Same
+        semantics: called after the step's notifications were drained; a deadline is never shortened;
+        every expired lease is reported once."""
+        now = time.perf_counter()
+        stamped = self._reqs_to_send
+        due = self._lk_leases.due(now)
+        if not due:
+            return
         before = len(done_sending)
         already = set(done_sending) if before else ()
-        super()._reap_expired_send_leases(done_sending)
+        self._reqs_to_send = narrowed = dict(due)
+        try:
+            super()._reap_expired_send_leases(done_sending)  # vLLM's reap over the due leases only
+        finally:
+            self._reqs_to_send = stamped
+            for req_id in due:
+                if req_id not in narrowed:  # vLLM reaped it
+                    del stamped[req_id]
+            self._lk_leases.restore(narrowed, now)  # not reaped (cannot happen: due by the same clock)
         if len(done_sending) == before:
             return
         try:
@@ -263,7 +315,8 @@ class LeaseKitPullWorker(DHeartbeats, DReadGating, PNotificationHandling, NixlPu
     def shutdown(self) -> None:
         """Abort open lease spans (outcome ``aborted``, reason ``worker shutdown``), flush, stock shutdown."""
         for step in (lambda: self._lk.abort_all("worker shutdown"), lambda: self._lk_hb.untrack_all("worker shutdown"),
-                     self._lk_close_gate, self._lk_close_notifications, self._lk_provider.shutdown):
+                     self._lk_close_gate, self._lk_close_notifications, self._lk_spans.close,
+                     self._lk_provider.shutdown):
             try:  # each step on its own: spans are flushed even if closing a socket failed
                 step()
             except Exception as exc:

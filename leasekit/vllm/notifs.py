@@ -54,10 +54,12 @@ from leasekit.lease.codec import (
     encode_verdict,
     split_protocol_ids,
 )
+from leasekit.lease.config import LeaseTiming
 from leasekit.lease.readgate import agent_name
 from leasekit.telemetry import lease_events as ev
 from leasekit.telemetry.lease_log import RateLimitedWarning, lease_logger
 from leasekit.vllm.pholds import PPledgeHolds
+from leasekit.vllm.prefill.expiry import ExpiryIndex
 from leasekit.vllm.verdictchan import MAX_ACK_BYTES, VerdictOutbox, decode_hello_payload
 
 MAX_PENDING_VERDICTS_PER_AGENT = 256
@@ -78,12 +80,15 @@ class PNotificationHandling(PPledgeHolds):
     ``__init__`` after those exist."""
 
     def _lk_init_notifications(self, max_hold_s: float, max_bytes: int, *, fail_closed: bool,
-                               pledge_s: float = 0.0) -> None:
+                               pledge_s: float = 0.0, timing: LeaseTiming | None = None) -> None:
         """``max_hold_s``: seconds (see :func:`notification_settings`); ``max_bytes``: the largest
         notification handled; ``fail_closed``: this P speaks the fail-closed protocol
         (``leasekit_fail_closed``); when False hellos are ignored, as a stock P does, and P never
         connects to a D nor answers one (no verdicts, no acknowledgements); ``pledge_s``: P's
-        ``leasekit_pledge_s``, seconds (0: no pledge; leasekit/vllm/pholds.py)."""
+        ``leasekit_pledge_s``, seconds (0: no pledge; leasekit/vllm/pholds.py); ``timing``: the lease
+        timing in force (default: the span recorder's), for :attr:`_lk_leases`, the expiry heap that
+        indexes vLLM's ``_reqs_to_send`` (:class:`leasekit.vllm.prefill.expiry.ExpiryIndex`)."""
+        self._lk_leases = ExpiryIndex(self._reqs_to_send, timing or self._lk.timing, max_hold_s)
         self._lk_fail_closed = fail_closed
         self._lk_init_pledges(pledge_s if fail_closed else 0.0)
         self._lk_pledge_warning = RateLimitedWarning(lease_logger())
@@ -216,14 +221,20 @@ class PNotificationHandling(PPledgeHolds):
             self._lk_hello(agent, hello)
         acked: list[str] = []
         remaining = float("inf")
+        leases = self._lk_leases
         for req_id in req_ids:
             old = self._reqs_to_send.get(req_id)
             if old is None:
                 continue  # not granted yet, or already ended: D heartbeats until it reads (stock ignores)
+            lease = leases.get(req_id)
+            if lease is not None:
+                req_id = lease.req_id  # the granted id object, not the one parsed from this message
             if not self._lk_binding.heartbeat(req_id, agent):
                 self._lk_drop("foreign_heartbeat", agent, f"request {req_id} is bound to another agent")
                 continue
-            new = max(old, min(now + extension, self._lk_cap(req_id, old)))
+            new = self._lk_leases.renew(req_id, now, extension)  # the heap's lease (cap: max hold)
+            if new is None or new < old:  # not indexed yet (cannot happen once granted): the same rule here
+                new = max(old, min(now + extension, self._lk_cap(req_id, old)))
             self._reqs_to_send[req_id] = new
             self._lk.extend(req_id, new, remote_agent=agent, now=now)
             acked.append(req_id)

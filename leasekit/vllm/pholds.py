@@ -104,6 +104,7 @@ class PPledgeHolds:
         self._lk_forget_consumer_counts(req_id)
         self._reqs_to_process.discard(req_id)
         self._reqs_to_send.pop(req_id, None)
+        self._lk_leases.discard(req_id)
 
     def _lk_defer_release(self, req_id: str, now: float) -> bool:
         """Whether ``req_id``'s release (its completion arrived at ``now``) waits for its pledge's end;

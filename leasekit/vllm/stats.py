@@ -42,9 +42,10 @@ MAX_HOLD = "lk_max_hold"  # [rank, kv_role, max_hold_s]
 READS = "lk_reads"  # [rank, outcome, wait_s, proof]  D's read gate, one per decided read (proof: verified only)
 VERDICT_FAILS = "lk_verdict_fails"  # [rank]  P failed to send a read verdict
 PLEDGE_HOLDS = "lk_pledge_holds"  # [rank, held_s]  P kept a completed lease's blocks until its pledge ended
+SPAN_DROPS = "lk_span_drops"  # [rank, reason, count]  spans not exported since the last step
 LISTENER = "lk_listener"  # [up (1|0), served_total, {reason: total}]  scheduler side, no rank; latest wins
 LEASE_KEYS = (GRANTS, EXTENSIONS, ENDS, LATE, HEARTBEATS, STATE, CONFIG, DROPS, MAX_HOLD, READS, VERDICT_FAILS,
-              PLEDGE_HOLDS, LISTENER)
+              PLEDGE_HOLDS, SPAN_DROPS, LISTENER)
 
 
 class LeaseKitKVConnectorStats(NixlKVConnectorStats):
@@ -106,6 +107,11 @@ class LeaseStatsObserver:
         elif event.kind == ev.LATE_READ:
             data[LATE].append([rank, remote, "true" if event.fail_closed else "false"])
 
+    def on_extend(self, remote_agent: str | None, gap_s: float | None) -> None:
+        """Record one extension (a delivered heartbeat naming a live lease): ``gap_s`` seconds since the
+        lease's previous heartbeat or its grant. The fast path of ``__call__`` for EXTEND events."""
+        self.stats.data[EXTENSIONS].append([self.tp_rank, remote_agent or m.UNKNOWN_REMOTE, float(gap_s or 0.0)])
+
     def heartbeat(self, remote_engine_id: str, ok: bool) -> None:
         """Record one heartbeat notification D sent (``ok``) or failed to send to ``remote_engine_id``."""
         self.stats.data[HEARTBEATS].append([self.tp_rank, str(remote_engine_id), 1 if ok else 0])
@@ -127,6 +133,11 @@ class LeaseStatsObserver:
     def pledge_hold(self, held_s: float) -> None:
         """Record that P kept a completed lease's blocks pinned ``held_s`` seconds more for its pledge."""
         self.stats.data[PLEDGE_HOLDS].append([self.tp_rank, float(held_s)])
+
+    def spans_dropped(self, reason: str, count: int) -> None:
+        """Record ``count`` spans not exported since the last report (``reason``: one of
+        ``metrics.SPAN_DROP_REASONS``)."""
+        self.stats.data[SPAN_DROPS].append([self.tp_rank, str(reason), int(count)])
 
     def verdict_send_failed(self) -> None:
         """Record one read verdict P failed to send."""
@@ -212,7 +223,7 @@ class LeaseKitPromMetrics(NixlPromMetrics):
         event. Remote peers are not known yet: their series start under ``remote_*="unknown"``."""
         sides = {"kv_producer": ("P",), "kv_consumer": ("D",)}.get(kv_role, ("P", "D"))
         for spec in m.LEASEKIT_METRICS:
-            if spec.side not in sides or "kv_role" in spec.labels:
+            if spec.side not in sides + ("both",) or "kv_role" in spec.labels:
                 continue
             if spec.labels[:1] != ("tp_rank",):  # not per rank (the scheduler's listener): zeroed by
                 continue                          # its own entry, see _listener
@@ -221,7 +232,7 @@ class LeaseKitPromMetrics(NixlPromMetrics):
                 values = {"cause": m.EXPIRY_CAUSES,
                           "outcome": m.READ_OUTCOMES if spec is m.READS else m.HOLD_OUTCOMES,
                           "proof": m.READ_PROOFS,
-                          "reason": m.NOTIFICATION_DROP_REASONS,
+                          "reason": m.SPAN_DROP_REASONS if spec is m.SPANS_DROPPED else m.NOTIFICATION_DROP_REASONS,
                           "fail_closed": ("false",)}.get(label, (m.UNKNOWN_REMOTE,))
                 extra = [e + [v] for e in extra for v in values]
             for values in extra:
@@ -268,6 +279,9 @@ class LeaseKitPromMetrics(NixlPromMetrics):
                 self._child(m.READ_PROOFS_METRIC, engine_idx, rank, proof[0]).inc()
             if outcome not in ("unprotected", "abandoned"):  # the protocol's cost, not a client's abort
                 self._child(m.READ_VERDICT_WAIT, engine_idx, rank).observe(wait_s)
+        for rank, reason, count in d.get(SPAN_DROPS, ()):
+            if reason in m.SPAN_DROP_REASONS:
+                self._child(m.SPANS_DROPPED, engine_idx, rank, reason).inc(count)
         for (rank,) in d.get(VERDICT_FAILS, ()):
             self._child(m.VERDICT_SEND_FAILURES, engine_idx, rank).inc()
         for rank, held_s in d.get(PLEDGE_HOLDS, ()):

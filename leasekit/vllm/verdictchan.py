@@ -2,7 +2,7 @@
 
 P answers D's reads with verdicts and heartbeat acknowledgements. Sent as NIXL notifications they made
 P open UCX endpoints back to its D engines, which stock vLLM never does, and one P so connected
-segfaulted inside UCX's peer-failure handling right after its D was SIGKILLed (issue 6 stops 9-11).
+segfaulted inside UCX's peer-failure handling right after its D was SIGKILLed (seen in testing).
 Over ZMQ a dead D costs P a TCP reconnect timer and a bounded send queue, and nothing D does can reach
 P's UCX worker:
 

@@ -31,7 +31,7 @@ import pytest
 
 from leasekit.chaos.faults.stall import FreezerStall
 from leasekit.cluster.pair import PairSpec
-from leasekit.cluster.server import SERVED_MODEL_NAME
+from leasekit.cluster.serverspec import SERVED_MODEL_NAME
 from leasekit.lease.readgate import OUTCOME_REAPED, OUTCOME_TIMEOUT, OUTCOME_VERIFIED, PROOF_PLEDGE
 from leasekit.telemetry import semconv as sc
 from leasekit.telemetry import metrics as m

@@ -15,11 +15,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from leasekit.chaos.leases import read_leases
 from leasekit.chaos.peer import NixlPeer
 from leasekit.chaos.workload import QueuedDecodeLoad
 from leasekit.lease.codec import DECODE_ERROR_REASONS, DecodeError, decode_notification
 from leasekit.telemetry import metrics as m
+from leasekit.telemetry.lease_timeline import read_leases
 from tests.scrape import labelled
 from tests.shared_pair import L, MAX_HOLD
 

@@ -5,10 +5,10 @@ heartbeats reach P and P understands them."""
 
 import pytest
 
-from leasekit.chaos.leases import read_leases
 from leasekit.chaos.workload import QueuedDecodeLoad
 from leasekit.cluster.pair import PairSpec, PDPair
 from leasekit.telemetry import metrics as m
+from leasekit.telemetry.lease_timeline import read_leases
 from tests.prefetch import PREFETCH
 from tests.scrape import labelled
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from leasekit.chaos.leases import read_leases
 from leasekit.lease import LeaseTiming, reclaim_bound
+from leasekit.telemetry.lease_timeline import read_leases
 
 pytestmark = [pytest.mark.pair, pytest.mark.chaos]
 LEASEKIT = str(Path(sys.executable).with_name("leasekit"))

@@ -243,7 +243,7 @@ def test_local_host_spawns_signals_and_tears_down(tmp_path):
 
 
 def test_pair_file_runner_answers_255_with_the_fix_for_an_unreachable_host(bed):
-    from leasekit.cluster.hosts import runner_for
+    from leasekit.cluster.remote import runner_for
     from leasekit.cluster.pairfile import HostSpec
 
     testbed, servers = bed

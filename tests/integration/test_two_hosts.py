@@ -108,7 +108,7 @@ def test_stalls_on_the_host_stop_and_freeze_then_resume(decode_host):
 
 
 def test_kill_of_the_engine_core_on_the_host_leaves_the_rest(decode_host):
-    from leasekit.chaos.faults.onhost import signal_engine_core
+    from leasekit.chaos.faults.kill import signal_engine_core
 
     server, _ = decode_host
     before = server.pids()

@@ -9,7 +9,8 @@ import time
 import pytest
 
 from leasekit.cluster import background, procs
-from leasekit.cluster.server import ServerSpec, VllmServer
+from leasekit.cluster.server import VllmServer
+from leasekit.cluster.serverspec import ServerSpec
 
 SCRIPT = "sleep 60 & sleep 61 & wait"
 

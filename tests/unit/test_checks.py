@@ -4,9 +4,9 @@ import pytest
 
 from leasekit.chaos import FAIL, PASS, UNKNOWN
 from leasekit.chaos.checks import check_bounded_reclaim, check_lease_reclaim, check_steady_state
-from leasekit.chaos.leases import LeaseTimeline
 from leasekit.cluster.router import DecodeResult
 from leasekit.lease import LeaseTiming
+from leasekit.telemetry.lease_timeline import LeaseTimeline
 
 T6 = LeaseTiming.from_lease_duration(6)  # H=1, E=4
 

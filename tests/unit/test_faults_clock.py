@@ -1,5 +1,6 @@
-"""Launch-time clock faults on real processes: a Python child under a time namespace sees its
-monotonic clocks shifted and the wall clock not; under libfaketime the reverse."""
+"""Launch-time clock shifts (:mod:`leasekit.cluster.clockshift`) on real processes: a Python child
+under a time namespace sees its monotonic clocks shifted and the wall clock not; under libfaketime
+the reverse."""
 
 import json
 import math
@@ -12,8 +13,9 @@ import time
 import psutil
 import pytest
 
-from leasekit.chaos.faults import FaultError, clock
-from leasekit.chaos.faults.clock import (
+from leasekit.cluster import clockshift as clock
+from leasekit.cluster.clockshift import (
+    ClockShiftError,
     faketime_env,
     faketime_spec,
     time_namespace_prefix,
@@ -123,5 +125,5 @@ def test_faketime_spec_and_validation(monkeypatch):
         with pytest.raises(ValueError, match=message):
             faketime_env(**kwargs)
     monkeypatch.setattr(clock, "LIBFAKETIME_GLOBS", ("/nonexistent/{lib}",))
-    with pytest.raises(FaultError, match="Debian package `faketime`"):
+    with pytest.raises(ClockShiftError, match="Debian package `faketime`"):
         faketime_env(10)

@@ -10,7 +10,8 @@ import pytest
 
 from leasekit.chaos.faults import FaultError, KillFault, find_engine_core_pids
 from leasekit.cluster import procs
-from leasekit.cluster.server import ServerSpec, VllmServer
+from leasekit.cluster.server import VllmServer
+from leasekit.cluster.serverspec import ServerSpec
 
 # the shell's children: a plain sleep and one whose argv[0] is the engine-core title
 GROUP_SCRIPT = "sleep 60 & (exec -a 'VLLM::EngineCore' sleep 60) & wait"

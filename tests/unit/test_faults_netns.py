@@ -13,10 +13,10 @@ import pytest
 from leasekit.chaos.faults import FaultError
 from leasekit.chaos.faults.netns import (
     NetworkNamespace,
-    NftFault,
     cleanup_stale_namespaces,
     list_leftovers,
 )
+from leasekit.chaos.faults.nft import NftFault
 from leasekit.cluster.procs import wait_until
 
 PORT = 18080

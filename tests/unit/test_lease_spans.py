@@ -5,10 +5,10 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from leasekit.chaos.leases import lease_timelines
 from leasekit.lease import LeaseTiming
 from leasekit.telemetry import semconv as sc
 from leasekit.telemetry.lease_spans import LeaseSpanRecorder
+from leasekit.telemetry.lease_timeline import lease_timelines
 from leasekit.telemetry.spanfile import OtlpJsonLinesSpanExporter, read_span_dir
 
 TIMING = LeaseTiming.from_lease_duration(30)
@@ -105,3 +105,20 @@ def test_span_file_round_trip_into_lease_timelines(tmp_path):
 def test_reading_a_missing_directory_finds_nothing(tmp_path):
     result = read_span_dir(tmp_path / "none")
     assert result.spans == [] and result.bad_lines == 0
+
+
+def test_kept_extension_events_are_the_first_and_the_latest_with_their_counts():
+    exporter = InMemorySpanExporter()
+    rec = recorder(exporter)  # default: 8 extension events kept
+    rec.grant("R", 130.0, now=100.0)
+    for k in range(1, 21):
+        rec.extend("R", 120.0 + k, remote_agent="D", now=100.0 + k)
+    rec.retrieval("R", remote_agent="D", now=120.5)
+    rec.release("R", now=121.0)
+    (span,) = exporter.get_finished_spans()
+    extends = [e for e in span.events if e.name == sc.EVENT_EXTEND]
+    assert [e.attributes[sc.EV_EXTEND_COUNT] for e in extends] == [1, 14, 15, 16, 17, 18, 19, 20]
+    assert [e.attributes[sc.EV_MONOTONIC_S] for e in extends] == [101.0] + [100.0 + k for k in range(14, 21)]
+    assert span.attributes[sc.EXTEND_COUNT] == 20 and span.attributes[sc.EXTEND_EVENTS_DROPPED] == 12
+    assert [e.name for e in span.events][-3:] == ["extend", "retrieval", "release"]  # time order
+    assert all(a.timestamp <= b.timestamp for a, b in zip(span.events, span.events[1:]))

@@ -42,7 +42,7 @@ def test_gpu_one_node_example():
 def without_ssh_support(monkeypatch):
     """This installation as if it had no SSH host support (the refusal path)."""
     for name in ("server_on_host", "runner_for"):
-        monkeypatch.delattr(f"leasekit.cluster.hosts.{name}", raising=False)
+        monkeypatch.delattr(f"leasekit.cluster.remote.{name}", raising=False)
 
 
 def test_gpu_two_hosts_example(monkeypatch):

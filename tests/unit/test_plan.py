@@ -17,7 +17,8 @@ from leasekit.chaos.suite import plan as run_order
 from leasekit.cli import main
 from leasekit.cluster.pair import PairSpec, PDPair
 from leasekit.cluster.pairfile import load_pair_file
-from leasekit.cluster.server import ServerSpec, VllmServer
+from leasekit.cluster.server import VllmServer
+from leasekit.cluster.serverspec import ServerSpec
 from tests.unit.test_pairfile import without_ssh_support
 
 PAIRS = Path(__file__).resolve().parents[2] / "pairs"

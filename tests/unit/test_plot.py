@@ -5,8 +5,8 @@ import math
 import matplotlib.image as mpimg
 import pytest
 
-from leasekit.chaos.leases import LeaseTimeline
 from leasekit.chaos.plot import plot_timeline
+from leasekit.telemetry.lease_timeline import LeaseTimeline
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 GRANT0 = 5000.0

@@ -123,3 +123,32 @@ def test_topology_covers_every_p_rank(d_tp, p_tp, expect):
 def test_topology_refuses_bad_sizes(d_tp, p_tp):
     with pytest.raises(ValueError, match="tp"):
         prefill_ranks_for(0, d_tp, p_tp)
+
+
+def test_vllm_stamped_deadline_max_hold_cap_and_restamp():
+    table = PLeaseTable(T30, max_hold_s=40.0)
+    lease = table.grant("R", 100.0, deadline_s=130.0)  # granted at 100 (deadline - L): cap 140
+    assert (lease.granted_at_s, lease.deadline_s) == (100.0, 130.0)
+    assert table.renew("R", 115.0) == 135.0
+    assert table.renew("R", 125.0) == 140.0  # 145 capped at grant + max hold
+    assert table.renew("R", 139.0) == 140.0 and table.renew("ghost", 1.0) is None
+    assert table.set_deadline("R", 120.0)  # vLLM re-stamped it shorter: the heap must follow
+    assert [e.req_id for e in table.reap(120.0)] == ["R"]
+    assert table.discard("R") is False and len(table) == 0
+
+
+def test_expiring_within_counts_live_deadlines_under_the_horizon_only():
+    table = PLeaseTable(T30)
+    for i in range(50):
+        table.grant(f"R{i}", float(i))  # deadlines 30 .. 79
+    for i in range(0, 50, 2):
+        table.renew(f"R{i}", 55.0)  # even ids -> max(deadline, 75)
+    table.discard("R1")
+    table.release("R3", 1.0)
+    horizon = 65.0  # now 60 + 5: odd ids with deadline < 65, i.e. R5..R33 odd
+    expect = sum(1 for lease in table.leases() if lease.deadline_s < 60.0 + 5.0)
+    assert expect == len([i for i in range(5, 35, 2)])
+    assert table.expiring_within(5.0, 60.0) == expect
+    assert table.expiring_within(5.0, 60.0) == expect  # idempotent after the refresh
+    assert table.expiring_within(100.0, 60.0) == 48 and table.expiring_within(0.0, 0.0) == 0
+    assert horizon == 65.0

@@ -22,16 +22,13 @@ from leasekit.chaos import FAIL, PASS
 from leasekit.chaos.checks import check_bounded_reclaim, check_steady_state
 from leasekit.lease import LeaseTiming
 from leasekit.telemetry import semconv as sc
-from leasekit.telemetry.vllm_log import (
+from leasekit.telemetry.vllm_log import EVENT_LATE_READ, EVENT_RELEASE_INFERRED, OUTCOME_OPEN, parse_stock_lease_log
+from leasekit.telemetry.vllm_logconfig import (
     DEFAULT_DEBUG_LOGGERS,
-    EVENT_LATE_READ,
-    EVENT_RELEASE_INFERRED,
     GRANT_LOGGER,
-    OUTCOME_OPEN,
     PULL_WORKER_LOGGER,
     RELEASE_LOGGER,
     WORKER_LOGGER,
-    parse_stock_lease_log,
     write_logging_config,
 )
 

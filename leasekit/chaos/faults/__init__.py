@@ -6,19 +6,21 @@ targets, and ``*_monotonic_s`` (``time.monotonic()``) / ``*_wall_s`` (``time.tim
 
 - :mod:`.kill`: :class:`KillFault` (whole process group or the engine core only).
 - :mod:`.stall`: :class:`SigstopStall`, :class:`FreezerStall` (cgroup v2/v1 freezer).
-- :mod:`.netns`: :class:`NetworkNamespace` with nftables rules inside it; :class:`NftFault`.
+- :mod:`.netns`: :class:`NetworkNamespace` with nftables rules inside it; :mod:`.nft`: :class:`NftFault`.
 - :mod:`.partition`: partitions between P's host and D's host (nftables in one host's namespace).
 - :mod:`.toxiproxy`: :class:`ToxiproxyClient`, :class:`ToxiproxyFault` (``TOXIPROXY_URL``).
-- :mod:`.clock`: launch-time clock faults (time-namespace prefix, libfaketime environment).
+
+Clock skew is a launch condition, not an injector: :mod:`leasekit.cluster.clockshift` (time-namespace
+prefix, libfaketime environment), applied when :class:`leasekit.cluster.pair.PDPair` starts a server.
 
 Importing has no side effects; acting needs root (signals to others' processes, cgroups,
-namespaces), ``ip``/``nft``, util-linux ``unshare`` and Debian ``faketime`` as each module says.
+namespaces) and ``ip``/``nft`` as each module says.
 """
 
 from leasekit.chaos.faults._common import FaultError
-from leasekit.chaos.faults.clock import faketime_env, time_namespace_prefix
 from leasekit.chaos.faults.kill import KillFault, find_engine_core_pids
-from leasekit.chaos.faults.netns import NetworkNamespace, NftFault
+from leasekit.chaos.faults.netns import NetworkNamespace
+from leasekit.chaos.faults.nft import NftFault
 from leasekit.chaos.faults.stall import FreezerStall, SigstopStall, detect_freezer
 from leasekit.chaos.faults.toxiproxy import (
     ToxiproxyClient,
@@ -37,7 +39,5 @@ __all__ = [
     "ToxiproxyError",
     "ToxiproxyFault",
     "detect_freezer",
-    "faketime_env",
     "find_engine_core_pids",
-    "time_namespace_prefix",
 ]

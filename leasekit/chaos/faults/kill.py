@@ -124,8 +124,6 @@ class KillFault:
     def _inject_on_host(self) -> None:
         """:meth:`inject` for a server on another host: the group (or only the engine core, found by
         its title there) is signalled on that host; survivors are the group's live pids there."""
-        from leasekit.chaos.faults.onhost import signal_engine_core
-
         self.record.clear()
         self.record.update({"kind": "kill", "scope": self.scope, "target": self.server.spec.name,
                             "signal": self.sig.name, "host": self.server.host.name, "pids": self.server.pids()})
@@ -143,6 +141,33 @@ class KillFault:
     def cleanup(self) -> None:
         """Make sure nothing of the group is left (a killed server stays down); idempotent."""
         self.server.stop(grace_s=2)
+
+
+def signal_engine_core(server, sig: int) -> list[int]:
+    """Send ``sig`` to the engine-core process(es) of a server on another host (a
+    :class:`~leasekit.cluster.remote.RemoteVllmServer`, signalled through its ``host``; found there by
+    the process title ``VLLM::EngineCore`` in argv[0] or comm); returns their pids.
+
+    Raises:
+        FaultError: the server is not running, or no process of its group is the engine core.
+    """
+    if server.proc is None:
+        raise FaultError(f"server {server.spec.name} is not running")
+    host = server.host
+    pids = host.group_pids(int(server.proc.pid))
+    script = 'for p; do printf "%s %s|%s\\n" "$p" "$(cat /proc/$p/comm 2>/dev/null)" "$(tr "\\0" " " < /proc/$p/cmdline 2>/dev/null | cut -c1-64)"; done'
+    _, out, _ = host.run(["sh", "-c", script, "sh", *map(str, pids)], timeout_s=30)
+    found = []
+    for line in out.splitlines():
+        pid, _, rest = line.partition(" ")
+        comm, _, argv0 = rest.partition("|")
+        if pid.isdigit() and (comm.startswith(ENGINE_CORE_TITLE[:15]) or argv0.startswith(ENGINE_CORE_TITLE)):
+            found.append(int(pid))
+    if not found:
+        raise FaultError(f"cannot signal {server.spec.name}'s engine core on host {host.name}: none of its processes "
+                         f"{pids} has {ENGINE_CORE_TITLE!r} in its name or command line")
+    host.check(["kill", f"-{signal.Signals(sig).name.removeprefix('SIG')}", *map(str, found)])
+    return sorted(found)
 
 
 def _running(proc: psutil.Process) -> bool:

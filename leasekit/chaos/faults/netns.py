@@ -4,7 +4,8 @@
 side ``lkh<id>``, namespace side ``lkn<id>``) on a free /30 of ``10.237.0.0/16``. Processes run
 inside via :meth:`NetworkNamespace.exec_prefix`; the host reaches them at ``ns_ip``. Rules live
 in table ``inet leasekit`` *inside* the namespace only, so the host's firewall is never touched.
-:class:`NftFault` wraps one block/loss rule as an injector. Needs root, ``ip`` and ``nft``.
+:class:`leasekit.chaos.faults.nft.NftFault` wraps one block/loss rule as an injector. Needs root,
+``ip`` and ``nft``.
 
 Partitions between two hosts of a :class:`leasekit.cluster.testbed.Testbed` (P's and D's) live in
 :mod:`leasekit.chaos.faults.partition`; :func:`partition_plan` (re-exported here) says what one would
@@ -35,7 +36,6 @@ from leasekit.chaos.faults._netlink import (
     ns_pids,
     teardown,
 )
-from leasekit.chaos.faults.nft import NftFault
 from leasekit.chaos.faults.partition import PartitionPlan, partition_plan
 from leasekit.cluster.testbed import LINK_PREFIX as TESTBED_LINK_PREFIX
 from leasekit.cluster.testbed import TestbedError, cleanup_stale_testbeds, list_testbed_leftovers
@@ -276,4 +276,4 @@ def cleanup_stale_namespaces(prefix: str = PREFIX) -> list[str]:
     return removed
 
 
-__all__ = ["NetworkNamespace", "NftFault", "PartitionPlan", "cleanup_stale_namespaces", "list_leftovers", "partition_plan"]
+__all__ = ["NetworkNamespace", "PartitionPlan", "cleanup_stale_namespaces", "list_leftovers", "partition_plan"]

@@ -1,7 +1,8 @@
 """Faults applied on the host that holds their target, through :class:`leasekit.cluster.hosts.Host`
 (over SSH for a server of the pair file on another machine): :func:`host_of` says which host that is
 (None: this machine, where the local injectors run unchanged), :class:`HostSigstopStall` stops a
-server's process group there, :class:`HostFreezerStall` freezes it with the cgroup freezer there, :func:`signal_engine_core` signals only its engine core there,
+server's process group there, :class:`HostFreezerStall` freezes it with the cgroup freezer there
+(:func:`leasekit.chaos.faults.kill.signal_engine_core` signals only its engine core there),
 :class:`HostPartitionInjector` puts a partition's nftables rules into that host's own network stack
 (``nft`` run on the host) with the SSH port kept out of them, and :func:`remote_site` gives a
 partition its addresses and ports from the servers themselves; :class:`FaultFile` writes a
@@ -22,7 +23,6 @@ import signal
 import time
 
 from leasekit.chaos.faults._common import FaultError, stamp
-from leasekit.chaos.faults.kill import ENGINE_CORE_TITLE
 from leasekit.chaos.faults.partition import PartitionInjector, PartitionSite
 from leasekit.cluster.hosttypes import HostError
 from leasekit.vllm.faultpoints import read_state, state_path, write_control
@@ -193,30 +193,6 @@ class HostFreezerStall:
     def cleanup(self) -> None:
         """Make sure the processes are thawed; idempotent."""
         self.recover()
-
-
-def signal_engine_core(server, sig: int) -> list[int]:
-    """Send ``sig`` to the engine-core process(es) of a remote server on its host (found there by
-    the process title ``VLLM::EngineCore`` in argv[0] or comm); returns their pids.
-
-    Raises:
-        FaultError: no process of the server's group is the engine core.
-    """
-    host = host_of(server)
-    pids = host.group_pids(_pgid(server))
-    script = 'for p; do printf "%s %s|%s\\n" "$p" "$(cat /proc/$p/comm 2>/dev/null)" "$(tr "\\0" " " < /proc/$p/cmdline 2>/dev/null | cut -c1-64)"; done'
-    _, out, _ = host.run(["sh", "-c", script, "sh", *map(str, pids)], timeout_s=30)
-    found = []
-    for line in out.splitlines():
-        pid, _, rest = line.partition(" ")
-        comm, _, argv0 = rest.partition("|")
-        if pid.isdigit() and (comm.startswith(ENGINE_CORE_TITLE[:15]) or argv0.startswith(ENGINE_CORE_TITLE)):
-            found.append(int(pid))
-    if not found:
-        raise FaultError(f"cannot signal {server.spec.name}'s engine core on host {host.name}: none of its processes "
-                         f"{pids} has {ENGINE_CORE_TITLE!r} in its name or command line")
-    host.check(["kill", f"-{signal.Signals(sig).name.removeprefix('SIG')}", *map(str, found)])
-    return sorted(found)
 
 
 def remote_site(pair) -> PartitionSite | None:

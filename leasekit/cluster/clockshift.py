@@ -1,4 +1,5 @@
-"""Launch-time clock faults: they change how a server is started, not the running process.
+"""Launch-time clock shifts: they change how a server is started, not the running process (the
+chaos suite's clock-skew launch conditions, set by :class:`leasekit.cluster.pair.PDPair`).
 
 - :func:`time_namespace_prefix`: run the command in a new Linux time namespace whose
   ``CLOCK_MONOTONIC`` (what ``time.monotonic``/``time.perf_counter`` read: the lease clock) and
@@ -25,7 +26,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from leasekit.chaos.faults._common import FaultError
 from leasekit.cluster.sleepfix import SOURCE as _SLEEP_FIX_SOURCE
 from leasekit.cluster.sleepfix import build_command, shim_name
 
@@ -36,6 +36,10 @@ DEBIAN_LIBFAKETIME = "/usr/lib/x86_64-linux-gnu/faketime/{lib}"
 LIBFAKETIME_GLOBS = ("/usr/lib/*/faketime/{lib}", "/usr/lib/faketime/{lib}",
                      "/usr/local/lib/faketime/{lib}", "/usr/local/lib/{lib}")
 
+
+class ClockShiftError(RuntimeError):
+    """A clock shift cannot be set up on this machine (a tool, kernel feature or library is missing,
+    or the sleep shim did not build); the message says what and how to fix it."""
 
 
 def _check_offset(field: str, value: object, lowest_s: float) -> int:
@@ -63,7 +67,7 @@ def time_namespace_prefix(monotonic_offset_s: float, *, boottime_offset_s: float
 
     Raises:
         ValueError: an offset is not a whole number in (-current clock value, 4611686018].
-        FaultError: ``unshare`` is missing or the kernel has no time namespaces (``check`` only).
+        ClockShiftError: ``unshare`` is missing or the kernel has no time namespaces (``check`` only).
     """
     mono = _check_offset("monotonic_offset_s", monotonic_offset_s, -time.clock_gettime(time.CLOCK_MONOTONIC))
     boot = mono if boottime_offset_s is None else _check_offset(
@@ -74,9 +78,9 @@ def time_namespace_prefix(monotonic_offset_s: float, *, boottime_offset_s: float
     if not check:
         return [unshare or "unshare", "--time", "--fork", "--kill-child", f"--monotonic={mono}", f"--boottime={boot}"]
     if unshare is None:
-        raise FaultError("unshare not found: install the util-linux package")
+        raise ClockShiftError("unshare not found: install the util-linux package")
     if not os.path.exists("/proc/self/ns/time"):
-        raise FaultError("this kernel has no time namespaces (Linux >= 5.6 with CONFIG_TIME_NS)")
+        raise ClockShiftError("this kernel has no time namespaces (Linux >= 5.6 with CONFIG_TIME_NS)")
     return [unshare, "--time", "--fork", "--kill-child", f"--monotonic={mono}", f"--boottime={boot}"]
 
 
@@ -84,14 +88,14 @@ def find_libfaketime(multithreaded: bool = False) -> str:
     """Path of ``libfaketime.so.1`` (``libfaketimeMT.so.1`` if ``multithreaded``).
 
     Raises:
-        FaultError: not installed (names the Debian package ``faketime``).
+        ClockShiftError: not installed (names the Debian package ``faketime``).
     """
     lib = "libfaketimeMT.so.1" if multithreaded else "libfaketime.so.1"
     for pattern in LIBFAKETIME_GLOBS:
         found = sorted(glob.glob(pattern.format(lib=lib)))
         if found:
             return found[0]
-    raise FaultError(f"{lib} not found under /usr/lib/*/faketime/: install the Debian package "
+    raise ClockShiftError(f"{lib} not found under /usr/lib/*/faketime/: install the Debian package "
                      f"`faketime` (apt-get install faketime), which brings libfaketime")
 
 
@@ -113,7 +117,7 @@ def sleep_fix_library() -> str:
     at :func:`sleep_fix_path`).
 
     Raises:
-        FaultError: ``gcc`` is missing or the build failed.
+        ClockShiftError: ``gcc`` is missing or the build failed.
     """
     target = sleep_fix_path()
     cache = target.parent
@@ -121,7 +125,7 @@ def sleep_fix_library() -> str:
         return str(target)
     gcc = shutil.which("gcc") or shutil.which("cc")
     if gcc is None:
-        raise FaultError("gcc not found: needed once to build the libfaketime sleep shim "
+        raise ClockShiftError("gcc not found: needed once to build the libfaketime sleep shim "
                          "(apt-get install gcc), or pass sleep_fix=False")
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
@@ -130,7 +134,7 @@ def sleep_fix_library() -> str:
         build = subprocess.run(sleep_fix_build_command(src, out, gcc),
                                capture_output=True, text=True, check=False)
         if build.returncode != 0:
-            raise FaultError(f"building the libfaketime sleep shim failed: {build.stderr.strip()}")
+            raise ClockShiftError(f"building the libfaketime sleep shim failed: {build.stderr.strip()}")
         os.replace(out, target)  # atomic: concurrent builders each install a complete file
     return str(target)
 
@@ -155,7 +159,7 @@ def faketime_env(offset_s: float = 0.0, rate: float = 1.0, *, multithreaded: boo
     Raises:
         ValueError: ``offset_s`` not finite or would make the wall clock negative or exceed
             4611686018 s; ``rate`` not in 0.001..1000.
-        FaultError: libfaketime (Debian ``faketime``) missing, or the shim could not be built
+        ClockShiftError: libfaketime (Debian ``faketime``) missing, or the shim could not be built
             (``build`` only).
     """
     if isinstance(offset_s, bool) or not isinstance(offset_s, (int, float)) or not math.isfinite(offset_s) \
@@ -172,7 +176,7 @@ def faketime_env(offset_s: float = 0.0, rate: float = 1.0, *, multithreaded: boo
     else:
         try:
             preload = [find_libfaketime(multithreaded)]
-        except FaultError:
+        except ClockShiftError:
             preload = [DEBIAN_LIBFAKETIME.format(lib="libfaketimeMT.so.1" if multithreaded else "libfaketime.so.1")]
         if sleep_fix:
             preload.insert(0, str(sleep_fix_path()))
@@ -184,7 +188,7 @@ def faketime_env(offset_s: float = 0.0, rate: float = 1.0, *, multithreaded: boo
 
 
 def plan_commands(wall_offset_s: float = 0.0, wall_rate: float = 1.0) -> list[dict]:
-    """Commands a launch-time clock fault runs besides the server's own ``unshare`` prefix and
+    """Commands a launch-time clock shift runs besides the server's own ``unshare`` prefix and
     faketime environment (both part of the server command line): building the libfaketime sleep
     shim once, when the wall clock is faked and the shim is not cached yet. Plan steps
     ``{"argv": [...], "what": ...}``; nothing is run."""

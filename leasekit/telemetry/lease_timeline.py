@@ -1,4 +1,6 @@
-"""Lease timelines reconstructed from P's lease spans (the checks read telemetry, nothing else)."""
+"""Lease timelines: one ended lease on one P worker, rebuilt from P's lease spans (here) or from stock
+vLLM's log lines (:mod:`leasekit.telemetry.vllm_log`). The chaos checks, reports and plots read these,
+nothing else."""
 
 from __future__ import annotations
 

@@ -1,0 +1,107 @@
+"""The expiry heap of P's worker: which leases of vLLM's ``_reqs_to_send`` are due, in O(k log n).
+
+vLLM 0.32.0 reaps by scanning every entry of ``_reqs_to_send`` each engine step
+(``nixl/base_worker.py: _reap_expired_send_leases``; the dict is not ordered by expiry since
+heartbeats move deadlines in place). :class:`ExpiryIndex` keeps a
+:class:`leasekit.lease.table.PLeaseTable` (a min-heap with one entry per lease, renewals O(1)) in step
+with that dict, so a step with nothing due costs O(1) whatever the number of live leases.
+
+``_reqs_to_send`` stays the source of truth: every id the heap yields is checked against it (a deadline
+moved behind the heap's back is indexed again), and the index is rebuilt from it whenever the two differ
+in size and every :data:`AUDIT_INTERVAL_S` seconds, so a lease added or removed by a vLLM path LeaseKit
+does not hook is still reaped on time.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from leasekit.lease.config import LeaseTiming
+from leasekit.lease.table import Lease, PLeaseTable
+
+AUDIT_INTERVAL_S = 30.0
+"""Seconds between full checks that the heap indexes exactly vLLM's ``_reqs_to_send``."""
+
+
+class ExpiryIndex:
+    """The live leases of one P worker, indexed by deadline.
+
+    Args:
+        stamped: vLLM's ``_reqs_to_send`` (request id -> deadline, seconds on the worker's
+            ``time.perf_counter``); read, never written.
+        timing: the lease timing in force (``L`` gives each lease's grant instant, ``deadline - L``).
+        max_hold_s: seconds after a grant past which no heartbeat moves its deadline
+            (``leasekit_max_hold_s``).
+
+    Not thread-safe: P's engine loop is the only caller. All times are seconds on the worker clock.
+    """
+
+    def __init__(self, stamped: dict[str, float], timing: LeaseTiming, max_hold_s: float):
+        self._stamped = stamped
+        self._table = PLeaseTable(timing, ended_memory=0, max_buffered=0, max_hold_s=max_hold_s)
+        self._audit_at = 0.0
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def get(self, req_id: str) -> Lease | None:
+        """The indexed lease of ``req_id`` (its ``req_id`` is the granted id object), or None."""
+        return self._table.get(req_id)
+
+    def index(self, req_ids: Iterable[str], now: float) -> None:
+        """Index ``req_ids`` (this step's grants) with the deadline vLLM stamped for each; an id vLLM does
+        not hold is skipped, a re-stamped one takes its new deadline. O(log n) each."""
+        table, stamped = self._table, self._stamped
+        for req_id in req_ids:
+            deadline = stamped.get(req_id)
+            if deadline is None:
+                continue
+            lease = table.get(req_id)
+            if lease is None:
+                table.grant(req_id, now, deadline_s=deadline)
+            elif lease.deadline_s != deadline:
+                table.set_deadline(req_id, deadline)
+
+    def renew(self, req_id: str, now: float, extension_s: float) -> float | None:
+        """A delivered heartbeat: ``max(deadline, min(now + E, grant + max hold))``; the caller writes it
+        to ``_reqs_to_send``. None if ``req_id`` is not indexed."""
+        return self._table.renew(req_id, now, extension_s)
+
+    def discard(self, req_id: str) -> None:
+        """Forget ``req_id`` (its lease ended another way: released, or held for its pledge)."""
+        self._table.discard(req_id)
+
+    def due(self, now: float) -> dict[str, float]:
+        """Remove and return the leases with ``deadline <= now`` (vLLM: ``now >= expires``), each with the
+        deadline ``_reqs_to_send`` holds for it; they leave the index (the caller reaps them)."""
+        stamped, table = self._stamped, self._table
+        if len(table) != len(stamped) or now >= self._audit_at:
+            self._audit_at = now + AUDIT_INTERVAL_S
+            self.reindex(now)
+        due: dict[str, float] = {}
+        for end in table.reap(now):
+            deadline = stamped.get(end.req_id)
+            if deadline is None:
+                continue
+            if deadline > now:  # moved behind the heap's back: index it again
+                table.grant(end.req_id, now, deadline_s=deadline)
+            else:
+                due[end.req_id] = deadline
+        return due
+
+    def restore(self, leases: dict[str, float], now: float) -> None:
+        """Index again leases :meth:`due` returned that the caller did not reap (id -> deadline)."""
+        for req_id, deadline in leases.items():
+            self._table.grant(req_id, now, deadline_s=deadline)
+
+    def reindex(self, now: float) -> None:
+        """Make the index exactly ``_reqs_to_send`` (ids and deadlines). O(n)."""
+        table, stamped = self._table, self._stamped
+        for req_id in table.ids():
+            if req_id not in stamped:
+                table.discard(req_id)
+        self.index(stamped, now)
+
+    def expiring_within(self, seconds: float, now: float) -> int:
+        """Live leases whose deadline is less than ``seconds`` away (the expiring-soon gauge); O(k log n)."""
+        return self._table.expiring_within(seconds, now)

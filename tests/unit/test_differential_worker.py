@@ -1,0 +1,138 @@
+"""LeaseKit's production P worker against vLLM's own, step by step, on the same scripts.
+
+``LeaseKitPullWorker`` replaces vLLM 0.32.0's full-scan reaper (``nixl/base_worker.py:
+_reap_expired_send_leases``) with an expiry heap (:class:`leasekit.lease.table.PLeaseTable`) and handles
+D's notifications itself (:mod:`leasekit.vllm.notifs`). On scripts where the two are meant to agree (one
+D agent, each lease completed at most once with ``n = 1``; binding and duplicate handling are where
+LeaseKit differs on purpose, see ``test_differential_vllm.py``), both workers, built the way
+``tests/vllm_replay.py`` builds vLLM's (real ``start_load_kv``, ``_get_new_notifs`` and
+``_reap_expired_send_leases`` of each class, a manual clock), must show the same live leases with the same
+deadlines, release the same ids and reap the same ids at every step: drain before reap, never shorter, an
+expired lease reported exactly once, the deadline instant expired.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+
+import pytest
+
+from leasekit.cluster.model import write_tiny_llama
+from tests import vllm_replay as R
+
+EPOCH = 4096.0
+DURATIONS = (6, 30, 7.5)
+SEEDS = 15
+
+
+@pytest.fixture(scope="module")
+def v(vllm_available):
+    return R.load_vllm()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def leasekit_worker(v, vllm_config, lease_duration, run_dir):
+    """``LeaseKitPullWorker`` without vLLM's ``__init__`` (no NIXL agent): vLLM's attributes as
+    :func:`tests.vllm_replay.make_worker` sets them, then LeaseKit's own part (``_lk_setup``)."""
+    from leasekit.vllm.connector import LeaseKitPullWorker
+
+    stock = R.make_worker(v, lease_duration)
+    worker = object.__new__(LeaseKitPullWorker)
+    worker.__dict__.update(stock.__dict__)
+    worker.kv_transfer_config = vllm_config.kv_transfer_config
+    worker.kv_transfer_config.kv_connector_extra_config["leasekit_run_dir"] = str(run_dir)
+    worker._lk_setup(R.P_ENGINE)
+    return worker
+
+
+class LeaseKitP(R.VllmP):
+    """:class:`tests.vllm_replay.VllmP` with LeaseKit's worker; LeaseKit's modules read the same clock."""
+
+    def __init__(self, v, config, lease_duration, clock, run_dir):
+        super().__init__(v, config, lease_duration, clock, scheduler_epoch_offset=EPOCH)
+        self.worker = leasekit_worker(v, config, lease_duration, run_dir)
+
+    @contextlib.contextmanager
+    def clocks(self):
+        import leasekit.vllm.connector as connector
+        import leasekit.vllm.notifs as notifs
+        import leasekit.vllm.pholds as pholds
+
+        saved = [(m, m.time) for m in (connector, notifs, pholds)]
+        try:
+            for module, real in saved:
+                module.time = R._TimeProxy(real, self.clock)
+            with super().clocks():
+                yield
+        finally:
+            for module, real in saved:
+                module.time = real
+
+
+def one_agent(script):
+    """The script with every message from one D agent, every completion ``n = 1`` and sent once."""
+    completed: set[str] = set()
+    out = []
+    for step in script:
+        msgs = []
+        for batch in step.notifs.values():
+            for raw in batch:
+                text = raw.decode()
+                if text.startswith("HB:"):
+                    msgs.append(raw)
+                else:
+                    req_id = text.rsplit(":", 1)[0]
+                    if req_id not in completed:
+                        completed.add(req_id)
+                        msgs.append(f"{req_id}:1".encode())
+        out.append(R.PStep(step.t, grant=step.grant, register=step.register, finish=step.finish,
+                           notifs={"D0": msgs} if msgs else {}))
+    return out
+
+
+@pytest.mark.parametrize("L", DURATIONS, ids=lambda L: f"L={L!r}")
+def test_leasekit_worker_reaps_and_extends_as_vllm_does(v, model_dir, tmp_path, L):
+    config = R.make_vllm_config(v, model_dir, L, "kv_producer")
+    seen = {"released": 0, "expired": 0, "on_the_instant": 0, "extended": 0}
+    for seed in range(SEEDS):
+        script = one_agent(R.random_p_script(random.Random(f"w-{L!r}-{seed}"), L))
+        stock = R.VllmP(v, config, L, R.ManualClock(), scheduler_epoch_offset=EPOCH)
+        lk = LeaseKitP(v, config, L, R.ManualClock(), tmp_path / f"{seed}")
+        before: dict = {}
+        for i, step in enumerate(script):
+            want, got = stock.step(step), lk.step(step)
+            where = f"L={L!r} seed={seed} step={i} t={step.t} {step}"
+            assert got.live == want.live, f"live leases / deadlines differ at {where}"
+            assert got.released == want.released, f"released sets differ at {where}"
+            assert got.expired == want.expired, f"reaped sets differ at {where}"
+            assert len(lk.worker._lk_leases) == len(lk.worker._reqs_to_send), where  # the heap indexes them all
+            seen["released"] += len(want.released)
+            seen["expired"] += len(want.expired)
+            seen["on_the_instant"] += sum(before.get(r) == step.t for r in want.expired)
+            seen["extended"] += sum(r in before and d > before[r] for r, d in want.live.items())
+            before = want.live
+        assert lk.worker._reqs_to_send == {} and len(lk.worker._lk_leases) == 0
+        assert stock.counters()["expired"] == len(lk.worker.xfer_stats.data["num_kv_expired_reqs"])
+    assert all(n >= 5 for n in seen.values()), seen
+
+
+def test_a_lease_added_behind_the_heaps_back_is_still_reaped(v, model_dir, tmp_path):
+    """A lease vLLM adds to ``_reqs_to_send`` by a path LeaseKit does not hook is indexed by the next
+    reap (sizes differ) and expires on time; one whose deadline vLLM moved is reaped at the new one."""
+    config = R.make_vllm_config(v, model_dir, 6, "kv_producer")
+    clock = R.ManualClock(100.0)
+    lk = LeaseKitP(v, config, 6, clock, tmp_path)
+    lk.step(R.PStep(100.0, grant=("A",)))
+    w = lk.worker
+    w._reqs_to_process.add("X")
+    w._reqs_to_send["X"] = 103.0  # behind the heap's back
+    w._reqs_to_send["A"] = 104.0  # moved shorter behind its back (A's heap entry says 106)
+    assert lk.step(R.PStep(102.75)).expired == frozenset()
+    assert lk.step(R.PStep(103.0)).expired == frozenset({"X"})
+    assert lk.step(R.PStep(104.0)).expired == frozenset({"A"})
+    assert w._reqs_to_send == {} and len(w._lk_leases) == 0
