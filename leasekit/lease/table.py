@@ -153,12 +153,13 @@ class PLeaseTable:
 
     # -- transitions -----------------------------------------------------------------------
     def grant(self, req_id: str, now_s: float, *, kv_blocks: int = 0, duration_s: float | None = None,
-              deadline_s: float | None = None) -> Lease | LeaseEnd:
+              deadline_s: float | None = None, granted_at_s: float | None = None) -> Lease | LeaseEnd:
         """Pin ``req_id``'s blocks until ``now + L`` (or ``now + duration_s``, or exactly ``deadline_s``).
 
         ``deadline_s``: the deadline vLLM stamped (P's worker rebases the scheduler's ``now + L`` onto
         its own clock, vllm 0.32.0 ``nixl/pull_worker.py: start_load_kv``); the grant instant is then
-        ``deadline_s - L``.
+        ``deadline_s - L`` unless ``granted_at_s`` gives it (a lease indexed again keeps its grant, and
+        so its max-hold cap).
 
         Returns the new lease, or its :class:`LeaseEnd` if buffered completions already cover all
         consumers (the read finished before the grant: K06). Granting a live id returns it unchanged.
@@ -170,7 +171,7 @@ class PLeaseTable:
             deadline_s = now_s + (self.timing.lease_duration_s if duration_s is None else duration_s)
             granted_at = now_s
         else:
-            granted_at = deadline_s - self.timing.lease_duration_s
+            granted_at = deadline_s - self.timing.lease_duration_s if granted_at_s is None else granted_at_s
         self._tokens += 1
         lease = Lease(req_id, granted_at, deadline_s, kv_blocks, self._tokens)
         self._leases[req_id] = lease

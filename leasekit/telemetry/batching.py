@@ -121,11 +121,21 @@ def run_bounded(fn: Callable[[], object], timeout_s: float, name: str) -> tuple[
     return (False, None) if thread.is_alive() else (True, box[0])
 
 
+MAY_WAIT_ATTR = "leasekit_may_wait"
+"""Set to True on a ``threading.Thread`` whose spans may wait for room in a full export queue (the lease
+span builder's thread, :mod:`leasekit.telemetry.span_builder`); any other thread's span is dropped at once."""
+
+MAY_WAIT_S = 1.0
+"""Seconds such a thread waits for room before the span is dropped (an exporter that is stuck)."""
+
+
 class CountingBatchSpanProcessor(SpanProcessor):
     """The SDK's ``BatchSpanProcessor`` in front of ``exporter``, counting every span it is given.
 
     ``on_end`` (the engine thread) takes a lock for a few integer updates and appends to the SDK's
-    queue; it never encodes, writes, or waits for the exporter. Export runs on the SDK's background
+    queue; it never encodes, writes, or waits for the exporter. Only a thread marked
+    :data:`MAY_WAIT_ATTR` (the span builder's) waits, at most :data:`MAY_WAIT_S`, when the queue is full,
+    so a burst of lease ends (a dead D's leases expiring together) is written, not dropped. Export runs on the SDK's background
     thread. Counts: :meth:`counts`.
 
     Args:
@@ -159,6 +169,7 @@ class CountingBatchSpanProcessor(SpanProcessor):
 
     def _reset_counts(self) -> None:
         self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)  # notified when the exporter takes spans from the queue
         self._ended = self._admitted = self._handed = self._exporting = 0
         self._exported = self._failed = self._dropped_full = self._dropped_shutdown = 0
         self._closing = self._finalized = False
@@ -176,8 +187,16 @@ class CountingBatchSpanProcessor(SpanProcessor):
                 self._dropped_shutdown += 1
                 return
             if self._admitted - self._handed >= self.settings.max_queue_size:
-                self._dropped_full += 1
-                return
+                if getattr(threading.current_thread(), MAY_WAIT_ATTR, False):  # a span-building thread, not
+                    # the engine's: wait (bounded) for the exporter to take a batch rather than drop
+                    self._room.wait_for(lambda: self._closing or
+                                        self._admitted - self._handed < self.settings.max_queue_size, MAY_WAIT_S)
+                if self._closing or self._admitted - self._handed >= self.settings.max_queue_size:
+                    if self._closing:
+                        self._dropped_shutdown += 1
+                    else:
+                        self._dropped_full += 1
+                    return
             self._admitted += 1
         self._batch.on_end(span)
 
@@ -206,6 +225,7 @@ class CountingBatchSpanProcessor(SpanProcessor):
             if self._closing:
                 return
             self._closing = True
+            self._room.notify_all()
         finished, _ = run_bounded(self._batch.shutdown, self.settings.shutdown_timeout_s,
                                   f"leasekit-{self.sink}-span-shutdown")
         with self._lock:
@@ -232,6 +252,7 @@ class _CountingExporter(SpanExporter):
                 return SpanExportResult.FAILURE
             owner._handed += n
             owner._exporting += n
+            owner._room.notify_all()
         ok = False
         try:
             ok = self.inner.export(spans) is SpanExportResult.SUCCESS

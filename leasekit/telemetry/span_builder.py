@@ -15,6 +15,8 @@ import time
 from collections import deque
 from typing import Callable
 
+from leasekit.telemetry.batching import MAY_WAIT_ATTR
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_PENDING = 65536
@@ -48,6 +50,7 @@ class SpanBuilder:
         self._thread: threading.Thread | None = None
         if background:
             self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+            setattr(self._thread, MAY_WAIT_ATTR, True)  # its spans wait for room in a full export queue
             self._thread.start()
 
     def submit(self, build: Callable[[], None]) -> bool:

@@ -48,6 +48,7 @@ Telemetry errors are logged (rate-limited) and never raised into the engine loop
 
 from __future__ import annotations
 
+import atexit
 import os
 import time
 from typing import TYPE_CHECKING, Any
@@ -166,6 +167,8 @@ class LeaseKitPullWorker(DHeartbeats, DReadGating, PNotificationHandling, NixlPu
         )
         self._lk_span_drops = (0, 0)
         self._lk_drops_at = 0.0
+        self._lk_gauge_at, self._lk_soon = 0.0, 0
+        atexit.register(self._lk_spans.close, 2.0)  # before the provider's own exit hook (LIFO): build what is queued
         self._lk_init_notifications(max_hold_s, max_bytes, timing=timing,
                                     fail_closed=bool(self.kv_transfer_config.is_kv_producer and fail_closed_enabled(self.kv_transfer_config)),
                                     pledge_s=pledge_seconds(self.kv_transfer_config, timing.lease_duration_s))
@@ -252,7 +255,10 @@ class LeaseKitPullWorker(DHeartbeats, DReadGating, PNotificationHandling, NixlPu
             self._lk_sweep_bindings()
             self._lk_sweep_pledges()
             if self._lk.active or self._lk_stats.active or self._lk_stats.pinned_blocks:
-                self._lk_stats.state(self._lk_leases.expiring_within(self._lk_timing.heartbeat_interval_s, now))
+                if now >= self._lk_gauge_at:  # once a second: O(k log n) with k leases near their deadline
+                    self._lk_gauge_at = now + 1.0
+                    self._lk_soon = self._lk_leases.expiring_within(self._lk_timing.heartbeat_interval_s, now)
+                self._lk_stats.state(self._lk_soon)
             else:
                 self._lk_stats.state(0)
         except Exception as exc:
@@ -287,6 +293,8 @@ class LeaseKitPullWorker(DHeartbeats, DReadGating, PNotificationHandling, NixlPu
         every expired lease is reported once."""
         now = time.perf_counter()
         stamped = self._reqs_to_send
+        if self._lk_leases.stamped is not stamped:  # vLLM rebound its lease map: index the new one (O(n), once)
+            self._lk_leases.rebind(stamped, now)
         due = self._lk_leases.due(now)
         if not due:
             return
@@ -303,14 +311,13 @@ class LeaseKitPullWorker(DHeartbeats, DReadGating, PNotificationHandling, NixlPu
             self._lk_leases.restore(narrowed, now)  # not reaped (cannot happen: due by the same clock)
         if len(done_sending) == before:
             return
-        try:
-            for req_id in done_sending:
-                if req_id not in already:
-                    cause = self._lk_expiry_cause(req_id)
-                    self._lk.expire(req_id, step_gap_s=self._lk_step_gap, cause=cause)
-                    self._lk_binding.forget(req_id)
-        except Exception as exc:
-            self._lk_errors.report("expire", exc)
+        for req_id in done_sending:
+            if req_id not in already:
+                self._lk_binding.forget(req_id)
+                try:  # each on its own: one failure must not turn the others' expiries into aborts
+                    self._lk.expire(req_id, step_gap_s=self._lk_step_gap, cause=self._lk_expiry_cause(req_id))
+                except Exception as exc:
+                    self._lk_errors.report("expire", exc)
 
     def shutdown(self) -> None:
         """Abort open lease spans (outcome ``aborted``, reason ``worker shutdown``), flush, stock shutdown."""

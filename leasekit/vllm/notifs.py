@@ -236,7 +236,10 @@ class PNotificationHandling(PPledgeHolds):
             if new is None or new < old:  # not indexed yet (cannot happen once granted): the same rule here
                 new = max(old, min(now + extension, self._lk_cap(req_id, old)))
             self._reqs_to_send[req_id] = new
-            self._lk.extend(req_id, new, remote_agent=agent, now=now)
+            try:  # telemetry, per id: a failure must not keep the next ids of this heartbeat from renewal
+                self._lk.extend(req_id, new, remote_agent=agent, now=now)
+            except Exception as exc:
+                self._lk_errors.report("extend", exc)
             acked.append(req_id)
             remaining = min(remaining, new - now)
         if seq is not None and agent in self._lk_protocol_agents:

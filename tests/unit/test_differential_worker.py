@@ -136,3 +136,59 @@ def test_a_lease_added_behind_the_heaps_back_is_still_reaped(v, model_dir, tmp_p
     assert lk.step(R.PStep(103.0)).expired == frozenset({"X"})
     assert lk.step(R.PStep(104.0)).expired == frozenset({"A"})
     assert w._reqs_to_send == {} and len(w._lk_leases) == 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_multi_agent_scripts_keep_the_heap_equal_to_vllms_lease_map(v, model_dir, tmp_path, seed):
+    """Random scripts with 1-4 D agents and duplicate senders (where LeaseKit's binding differs from
+    stock on purpose): whatever LeaseKit decides, its heap indexes exactly ``_reqs_to_send`` (ids and
+    deadlines) after every step, and no lease stays past its deadline."""
+    config = R.make_vllm_config(v, model_dir, 6, "kv_producer")
+    script = R.random_p_script(random.Random(f"multi-{seed}"), 6, duplicate_senders=bool(seed % 2))
+    lk = LeaseKitP(v, config, 6, R.ManualClock(), tmp_path / f"{seed}")
+    for i, step in enumerate(script):
+        lk.step(step)
+        w, where = lk.worker, f"seed={seed} step={i} t={step.t}"
+        assert {r: w._lk_leases.get(r).deadline_s for r in w._reqs_to_send} == w._reqs_to_send, where
+        assert len(w._lk_leases) == len(w._reqs_to_send), where
+        assert all(d > step.t for d in w._reqs_to_send.values()), where
+    assert lk.worker._reqs_to_send == {}
+
+
+def test_a_telemetry_failure_on_one_lease_spares_the_others(v, model_dir, tmp_path):
+    """An exception in the span recorder for one lease (a bug, a broken observer) neither keeps the next
+    ids of the same heartbeat from renewal nor turns the other leases' expiries into aborts."""
+    config = R.make_vllm_config(v, model_dir, 6, "kv_producer")
+    lk = LeaseKitP(v, config, 6, R.ManualClock(100.0), tmp_path)
+    lk.step(R.PStep(100.0, grant=("A", "B")))
+    w = lk.worker
+    real_extend, real_expire, expired = w._lk.extend, w._lk.expire, []
+
+    def extend(req_id, *a, **k):
+        if req_id == "A":
+            raise RuntimeError("observer bug")
+        return real_extend(req_id, *a, **k)
+
+    def expire(req_id, **k):
+        expired.append(req_id)
+        if len(expired) == 1:
+            raise RuntimeError("observer bug")
+        return real_expire(req_id, **k)
+
+    w._lk.extend, w._lk.expire = extend, expire
+    lk.step(R.PStep(104.0, notifs={"D0": [b"HB:A,B"]}))
+    assert w._reqs_to_send == {"A": 108.0, "B": 108.0}  # stock: max(106, 104 + 4) for both
+    assert lk.step(R.PStep(108.0)).expired == frozenset({"A", "B"}) and len(expired) == 2
+
+
+def test_a_rebound_lease_map_is_indexed_again(v, model_dir, tmp_path):
+    """Should vLLM ever replace its ``_reqs_to_send`` dict object, the heap follows the new one: old and
+    new leases are reaped on time, nothing raises into the engine loop."""
+    config = R.make_vllm_config(v, model_dir, 6, "kv_producer")
+    lk = LeaseKitP(v, config, 6, R.ManualClock(100.0), tmp_path)
+    lk.step(R.PStep(100.0, grant=("A",)))
+    w = lk.worker
+    w._reqs_to_send = dict(w._reqs_to_send)
+    lk.step(R.PStep(101.0, grant=("B",)))
+    assert lk.step(R.PStep(106.0)).expired == frozenset({"A"})
+    assert lk.step(R.PStep(107.0)).expired == frozenset({"B"}) and w._reqs_to_send == {}

@@ -80,3 +80,26 @@ def test_recorder_spans_built_in_the_background_carry_the_transition_times():
 def test_max_pending_must_be_positive():
     with pytest.raises(ValueError, match="max_pending"):
         SpanBuilder(max_pending=0)
+
+
+def test_a_burst_of_lease_ends_waits_for_the_exporter_instead_of_dropping(tmp_path):
+    """A dead D's leases expire in one reap: many more spans end at once than the span file's export
+    queue holds. The builder's thread waits for room (it is not the engine's), so none is dropped."""
+    from leasekit.telemetry.provider import build_tracer_provider
+
+    provider, _ = build_tracer_provider(run_dir=tmp_path, file_stem="p", resource_attributes={}, env={})
+    builder = SpanBuilder()
+    rec = LeaseSpanRecorder(provider.get_tracer("t"), engine_id="P", tp_rank=0,
+                            timing=LeaseTiming.from_lease_duration(30), spans=builder)
+    n = 8000  # the span file's queue holds 2048
+    for i in range(n):
+        rec.grant(f"r{i}", 130.0, now=100.0)
+        rec.extend(f"r{i}", 131.0, remote_agent="D", now=111.0)
+    for i in range(n):
+        rec.expire(f"r{i}", now=131.5)
+    assert builder.flush(60.0) and builder.dropped == 0
+    assert provider.force_flush()
+    counts = provider.span_export_counts()["file"]
+    assert (counts.ended, counts.exported, counts.dropped_queue_full) == (n, n, 0)
+    builder.close()
+    provider.shutdown()

@@ -37,6 +37,7 @@ class ExpiryIndex:
     """
 
     def __init__(self, stamped: dict[str, float], timing: LeaseTiming, max_hold_s: float):
+        self.stamped = stamped
         self._stamped = stamped
         self._table = PLeaseTable(timing, ended_memory=0, max_buffered=0, max_hold_s=max_hold_s)
         self._audit_at = 0.0
@@ -83,8 +84,8 @@ class ExpiryIndex:
             deadline = stamped.get(end.req_id)
             if deadline is None:
                 continue
-            if deadline > now:  # moved behind the heap's back: index it again
-                table.grant(end.req_id, now, deadline_s=deadline)
+            if deadline > now:  # moved behind the heap's back: index it again (same grant: same max hold)
+                table.grant(end.req_id, now, deadline_s=deadline, granted_at_s=end.lease.granted_at_s)
             else:
                 due[end.req_id] = deadline
         return due
@@ -93,6 +94,11 @@ class ExpiryIndex:
         """Index again leases :meth:`due` returned that the caller did not reap (id -> deadline)."""
         for req_id, deadline in leases.items():
             self._table.grant(req_id, now, deadline_s=deadline)
+
+    def rebind(self, stamped: dict[str, float], now: float) -> None:
+        """Index ``stamped`` instead (vLLM replaced its ``_reqs_to_send`` dict object): O(n), then as usual."""
+        self.stamped = self._stamped = stamped
+        self.reindex(now)
 
     def reindex(self, now: float) -> None:
         """Make the index exactly ``_reqs_to_send`` (ids and deadlines). O(n)."""
