@@ -1,6 +1,6 @@
 """D's read gate: a read of P's KV blocks becomes tokens only after P confirmed the lease covered it.
 
-Pure logic (no vLLM, no NIXL), driven by LeaseKitConnector's D worker (:mod:`leasekit.vllm.dgate`).
+Pure logic (no vLLM, no NIXL), driven by LeaseKitConnector's D worker (:mod:`leasekit.vllm.decode.gate`).
 The rule (docs/fail-closed.md): NIXL delivers D's completion ``<id>:<n>`` to P only after D's READ
 finished, and P frees a lease's blocks only in the engine loop that also handles notifications. So if
 the lease is still live when P handles the completion, no block was freed (or reused) during the read,

@@ -18,7 +18,7 @@ Verdict rules (first match wins; sources in brackets):
 - ``CRITICAL``: ``leasekit_kv_handshake_listener_up`` is 0 for any engine: P's NIXL side-channel
   handshake listener thread is not running, so no new D engine can connect, although ``/health``
   stays 200 [vllm 0.32.0 ``nixl/base_scheduler.py: _nixl_handshake_listener``: the stock thread dies
-  on one malformed request; :mod:`leasekit.vllm.listener`]. The gauge is updated at P's engine
+  on one malformed request; :mod:`leasekit.vllm.prefill.listener`]. The gauge is updated at P's engine
   steps, so an idle P shows its last report.
 - ``DEGRADED``: expiries > 0, vLLM's ``vllm:nixl_num_kv_expired_reqs`` > 0, leases expiring soon
   (a heartbeat overdue) > 0, heartbeat send failures > 0, or malformed handshake requests refused

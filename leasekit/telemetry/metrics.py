@@ -222,7 +222,7 @@ SPANS_DROPPED = MetricSpec(
 HANDSHAKE_BAD_REASONS = (
     "bad_frames", "oversized", "bad_msgpack", "bad_shape", "unknown_tag", "unknown_rank", "internal_error",
 )
-"""``reason`` label values of :data:`HANDSHAKE_BAD_REQUESTS` (:mod:`leasekit.vllm.listener`):
+"""``reason`` label values of :data:`HANDSHAKE_BAD_REQUESTS` (:mod:`leasekit.vllm.prefill.listener`):
 ``bad_frames``: not a ZMQ REQ envelope ``[identity, b"", payload]`` (extra or missing frames);
 ``oversized``: a frame above the listener's request limit; ``bad_msgpack``: the payload is not
 msgpack; ``bad_shape``: not an array ``(tag, pp_rank, tp_rank)`` of bytes and two ints;

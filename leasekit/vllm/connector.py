@@ -14,20 +14,20 @@ signatures and attributes it relies on are recorded per release in :mod:`leaseki
   the connector metadata) and heartbeat notifications sent (``send_notif`` of the NIXL wrapper).
 
 and replaces one: P's notification handling (``_get_new_notifs``: extend, retrieval, release, late
-reads) is :class:`leasekit.vllm.notifs.PNotificationHandling`, which parses every notification with
+reads) is :class:`leasekit.vllm.prefill.notifications.PNotificationHandling`, which parses every notification with
 leasekit's codecs, drops and counts malformed, unknown, duplicate and foreign ones instead of raising
 in P's engine loop, binds each lease to the first D agent that touches it, and caps a lease's total
 life (``leasekit_max_hold_s``, default max(480 s, L)). The scheduler's side-channel handshake listener
-(``_nixl_handshake_listener``, ``base_scheduler.py``) is replaced as well: :mod:`leasekit.vllm.listener`
+(``_nixl_handshake_listener``, ``base_scheduler.py``) is replaced as well: :mod:`leasekit.vllm.prefill.listener`
 refuses, counts and survives malformed handshake requests, and its liveness reaches ``/metrics``
 through the scheduler-role ``get_kv_connector_stats``.
 
 Fail closed (docs/fail-closed.md; on unless ``leasekit_fail_closed`` is false on P): P marks the
 ``kv_transfer_params`` it returns with ``leasekit_protocol``; a LeaseKit D then holds each finished read until P confirmed that the lease
-covered it (:mod:`leasekit.vllm.dgate`, P's side in :mod:`leasekit.vllm.notifs`, P's answers over ZMQ in
+covered it (:mod:`leasekit.vllm.decode.gate`, P's side in :mod:`leasekit.vllm.prefill.notifications`, P's answers over ZMQ in
 :mod:`leasekit.vllm.verdictchan`), and a read P had
 reaped, or not confirmed in time, is reported failed so vLLM's ``kv_load_failure_policy`` applies.
-D's heartbeat sending and the chaos fault points are :mod:`leasekit.vllm.dheartbeats`.
+D's heartbeat sending and the chaos fault points are :mod:`leasekit.vllm.decode.heartbeats`.
 
 Each transition goes to the lease span, to the Prometheus metrics (through vLLM's connector-stats
 path, :mod:`leasekit.vllm.stats`, onto the server's own ``/metrics``) and to one structured log record
@@ -82,11 +82,11 @@ from leasekit.lease.settings import (  # noqa: E402
     pledge_seconds,
     verdict_timeout,
 )
-from leasekit.vllm.dgate import DReadGating  # noqa: E402
-from leasekit.vllm.dheartbeats import DHeartbeats  # noqa: E402
+from leasekit.vllm.decode.gate import DReadGating  # noqa: E402
+from leasekit.vllm.decode.heartbeats import DHeartbeats  # noqa: E402
 from leasekit.vllm.faultpoints import FaultPoints  # noqa: E402
 from leasekit.vllm.kvdigest import KV_DIGEST_ATTR, kv_digest  # noqa: E402
-from leasekit.vllm.notifs import PNotificationHandling  # noqa: E402
+from leasekit.vllm.prefill.notifications import PNotificationHandling  # noqa: E402
 from leasekit.vllm.scheduler import (  # noqa: E402
     METADATA_BLOCK_IDS_ATTR,
     METADATA_BLOCKS_ATTR,
@@ -119,7 +119,7 @@ def _run_dir(kv_transfer_config: Any) -> str:
 
 class LeaseKitPullWorker(DHeartbeats, DReadGating, PNotificationHandling, NixlPullConnectorWorker):
     """Worker side: stock NIXL pull worker that records every lease transition as span events, and
-    handles D's notifications robustly (:mod:`leasekit.vllm.notifs`)."""
+    handles D's notifications robustly (:mod:`leasekit.vllm.prefill.notifications`)."""
 
     def __init__(self, vllm_config: "VllmConfig", engine_id: str, kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config, engine_id, kv_cache_config)
@@ -278,7 +278,7 @@ class LeaseKitPullWorker(DHeartbeats, DReadGating, PNotificationHandling, NixlPu
             if failed > last_failed:
                 self._lk_stats.spans_dropped("export_failed", failed - last_failed)
 
-    # -- extend, retrieval, release: leasekit.vllm.notifs.PNotificationHandling._get_new_notifs ----------
+    # -- extend, retrieval, release: leasekit.vllm.prefill.notifications.PNotificationHandling._get_new_notifs ----------
 
     # -- expire ----------------------------------------------------------------------------
     def _reap_expired_send_leases(self, done_sending: set[str]) -> None:

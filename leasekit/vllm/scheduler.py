@@ -23,7 +23,7 @@ from leasekit.telemetry.lease_log import RateLimitedWarning
 from leasekit.lease.settings import fail_closed_enabled, pledge_seconds
 from leasekit.vllm.clockid import local_clock_id
 from leasekit.vllm.faultpoints import FAULT_FILE_ENV
-from leasekit.vllm.listener import ListenerHealth, serve_handshakes
+from leasekit.vllm.prefill.listener import ListenerHealth, serve_handshakes
 from leasekit.vllm.stats import LeaseKitKVConnectorStats, ListenerStatsReporter
 
 if TYPE_CHECKING:
@@ -47,7 +47,7 @@ METADATA_PLEDGE_CLOCK_ATTR = "leasekit_pledge_clock"
 class LeaseKitPullScheduler(NixlPullConnectorScheduler):
     """Scheduler side: stock behaviour; also hands the workers each new lease's KV block count and
     trace headers (P), and the requests D starts and stops heartbeating (D); runs a side-channel
-    handshake listener that survives bad requests (:mod:`leasekit.vllm.listener`) and reports its
+    handshake listener that survives bad requests (:mod:`leasekit.vllm.prefill.listener`) and reports its
     health (P)."""
 
     def __init__(self, vllm_config: "VllmConfig", engine_id: str, kv_cache_config: "KVCacheConfig"):
@@ -77,7 +77,7 @@ class LeaseKitPullScheduler(NixlPullConnectorScheduler):
         the thread with target ``self._nixl_handshake_listener`` and these positional args (vllm 0.32.0
         ``nixl/base_scheduler.py``). Same ROUTER socket on vLLM's ``make_zmq_path`` and the same replies
         for good requests; a bad one is refused, counted and survived
-        (:func:`leasekit.vllm.listener.serve_handshakes`). Returns only when ``stop_event`` is set
+        (:func:`leasekit.vllm.prefill.listener.serve_handshakes`). Returns only when ``stop_event`` is set
         (``shutdown``)."""
         serve_handshakes(encoded_data, ready_event, stop_event, make_zmq_path("tcp", host, port), self._lk_listener)
 
@@ -104,7 +104,7 @@ class LeaseKitPullScheduler(NixlPullConnectorScheduler):
             self._lk_protected_ids.discard(request.request_id)
             self._leasekit_finished.append(request.request_id)
         if self._lk_fail_closed and delay_free and isinstance(params, dict) and params.get("do_remote_prefill"):
-            params[PROTOCOL_PARAM] = PROTOCOL_VERSION  # D may hold its read for P's verdict (dgate.py)
+            params[PROTOCOL_PARAM] = PROTOCOL_VERSION  # D may hold its read for P's verdict (decode/gate.py)
             deadline = self._reqs_need_send.get(request.request_id)
             if self._lk_clock_id is not None and deadline is not None:
                 until = pledge_until(time.perf_counter(), self._lk_pledge_s, deadline)

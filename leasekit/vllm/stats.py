@@ -11,7 +11,7 @@ and the API server's ``PrometheusStatLogger`` passes the dict to the connector c
   observations (each entry starts with the worker's TP rank);
 - :class:`LeaseStatsObserver` appends to it on every :class:`~leasekit.telemetry.lease_events.LeaseEvent`;
 - :class:`ListenerStatsReporter` adds, from the scheduler (not a worker), the handshake listener's
-  health (``lk_listener``, :mod:`leasekit.vllm.listener`);
+  health (``lk_listener``, :mod:`leasekit.vllm.prefill.listener`);
 - :class:`LeaseKitPromMetrics` registers vLLM's ``vllm:nixl_*`` metrics unchanged (it is a
   ``NixlPromMetrics``) plus every metric in :mod:`leasekit.telemetry.metrics`, and records both.
 

@@ -36,7 +36,22 @@ class TelemetryErrors:
 class NotificationTap:
     """Wraps vLLM's NIXL wrapper (args: ``wrapped``; ``on_heartbeat_sent(agent, msg, ok)`` or None).
 
-    Delegates to the NIXL wrapper; remembers the last ``get_new_notifs`` batch (agent -> msgs)."""
+    Sees every ``send_notif`` (heartbeats reported and possibly rewritten) and every
+    ``get_new_notifs`` batch (kept in ``last_batch``); otherwise transparent, so that code written
+    for the NIXL wrapper (vLLM's worker, and vLLM's own unit tests, which inject failures and fake
+    peers by setting attributes on ``worker.nixl_wrapper``) works unchanged through it:
+
+    - reads of any other attribute come from the wrapped object;
+    - writes and deletes of any attribute except the tap's own (:attr:`OWN_ATTRIBUTES`) go to the
+      wrapped object, so a replaced ``send_notif`` / ``get_new_notifs`` (a mock, a failing stub) is
+      what the tap's methods call, and the tap keeps seeing every call;
+    - ``isinstance(tap, wrapped.__class__)`` holds (``__class__`` is the wrapped object's class, as for
+      :class:`unittest.mock.Mock` with a spec); ``type(tap)`` stays :class:`NotificationTap`.
+    """
+
+    OWN_ATTRIBUTES = frozenset({"_wrapped", "last_batch", "_agent_by_msg", "_on_heartbeat_sent",
+                                "last_send_started", "rewrite"})
+    """Attributes kept on the tap itself; every other attribute lives on the wrapped NIXL wrapper."""
 
     def __init__(self, wrapped: Any, on_heartbeat_sent: Any = None):
         self._wrapped = wrapped
@@ -77,8 +92,30 @@ class NotificationTap:
             self._agent_by_msg = {m: agent for agent, msgs in self.last_batch.items() for m in msgs}
         return self._agent_by_msg.get(msg)
 
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:
+        """The wrapped object's class, so that ``isinstance`` sees through the tap."""
+        return self._wrapped.__class__
+
     def __getattr__(self, name: str) -> Any:
+        """Attributes the tap does not define come from the wrapped object (AttributeError if absent)."""
+        if name in NotificationTap.OWN_ATTRIBUTES:  # not set yet (a half-built tap): no recursion
+            raise AttributeError(name)
         return getattr(self._wrapped, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """The tap's own attributes are set on the tap; every other one on the wrapped object."""
+        if name in NotificationTap.OWN_ATTRIBUTES:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._wrapped, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        """Deletes on the tap for its own attributes, else on the wrapped object (``mock.patch`` undo)."""
+        if name in NotificationTap.OWN_ATTRIBUTES:
+            object.__delattr__(self, name)
+        else:
+            delattr(self._wrapped, name)
 
 
 class HeartbeatBatch:

@@ -49,7 +49,7 @@ class ClassNeeds:
             a class-level field).
         keyword_calls: methods the class must call on ``self`` only with keyword arguments (LeaseKit's
             override reads them from ``kwargs``).
-        writes: method -> names its body must contain (keys of a ``dict(...)`` it returns).
+        writes: method -> names its body must contain (keys of a ``dict(...)`` it returns, attributes it uses).
     """
 
     module: str
@@ -100,7 +100,11 @@ _CLASSES_032 = (
         "engine_id", "_recv_failures", "_recving_metadata", "_recving_transfers", "_remote_agents",
         "kv_caches_base_addr", "_transfer_layer_region_indices", "block_len_per_layer", "block_stride_per_layer",
         "device_type",
-    ), keyword_calls=("_read_blocks",)),
+    ), keyword_calls=("_read_blocks",),
+        # LeaseKit's reaper hands vLLM's the due leases by narrowing self._reqs_to_send for the call
+        # (leasekit/vllm/connector.py): the method must still reap from that map and do its accounting
+        writes={"_reap_expired_send_leases": ("_reqs_to_send", "_reqs_to_process", "record_kv_expired_req",
+                                              "consumer_notification_counts_by_req")}),
     ClassNeeds(f"{NIXL}.pull_scheduler", "NixlPullConnectorScheduler", methods={
         "__init__": _WORKER_INIT, "request_finished": ("self", "request", "block_ids"),
         "build_connector_meta": ("self", "scheduler_output"), "on_new_request": ("self", "request"),

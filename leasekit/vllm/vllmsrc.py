@@ -42,8 +42,8 @@ class ClassSource:
         attributes: instance and class attribute names (see the module docstring).
         positional_calls: names of ``self.<name>(...)`` calls that pass at least one positional argument.
         self_calls: names of every ``self.<name>(...)`` call.
-        method_words: method name -> every string constant and call keyword name in its body (keys it
-            writes with ``dict(key=...)`` or ``{"key": ...}``, among others).
+        method_words: method name -> every string constant, call keyword name and attribute name in its
+            body (keys it writes with ``dict(key=...)`` or ``{"key": ...}``, the attributes it uses).
     """
 
     name: str
@@ -186,6 +186,8 @@ def _class_source(node: ast.ClassDef, module: str) -> ClassSource:
                         positional.add(f.attr)
             elif isinstance(sub, ast.Constant) and isinstance(sub.value, str):
                 found.add(sub.value)
+            if isinstance(sub, ast.Attribute):
+                found.add(sub.attr)  # self._reqs_to_send, self.xfer_stats.record_kv_expired_req, ...
         words[item.name] = frozenset(found)
     bases = tuple(b.attr if isinstance(b, ast.Attribute) else getattr(b, "id", "") for b in node.bases)
     return ClassSource(node.name, module, tuple(b for b in bases if b), methods, frozenset(attributes),

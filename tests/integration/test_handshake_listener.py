@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from leasekit.chaos.peer import GET_META_MSG, NixlPeer, handshake_request, side_channel_request
 from leasekit.telemetry import metrics as m
-from leasekit.vllm.listener import MAX_FRAME_BYTES, MAX_REQUEST_BYTES
+from leasekit.vllm.prefill.listener import MAX_FRAME_BYTES, MAX_REQUEST_BYTES
 
 pytestmark = pytest.mark.pair
 HOST = "127.0.0.1"

@@ -1,4 +1,4 @@
-"""D's read gate inside the worker hook (leasekit/vllm/dgate.py), over a stand-in for vLLM's stock
+"""D's read gate inside the worker hook (leasekit/vllm/decode/gate.py), over a stand-in for vLLM's stock
 ``_pop_done_transfers``: what D reports to vLLM for each gate outcome, and when D says hello again.
 The wire and the real pair are covered by tests/integration/test_fail_closed.py."""
 
@@ -13,7 +13,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from leasekit.lease.codec import decode_notification, split_protocol_ids
 from leasekit.lease.readgate import OUTCOME_TIMEOUT, OUTCOME_VERIFIED, GateResult
-from leasekit.vllm.dgate import DReadGating
+from leasekit.vllm.decode.gate import DReadGating
 from leasekit.vllm.stats import READS, LeaseKitKVConnectorStats, LeaseStatsObserver
 from leasekit.vllm.verdictchan import decode_hello_payload
 from tests.unit.test_p_notifications import Worker

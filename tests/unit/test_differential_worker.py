@@ -2,7 +2,7 @@
 
 ``LeaseKitPullWorker`` replaces vLLM 0.32.0's full-scan reaper (``nixl/base_worker.py:
 _reap_expired_send_leases``) with an expiry heap (:class:`leasekit.lease.table.PLeaseTable`) and handles
-D's notifications itself (:mod:`leasekit.vllm.notifs`). On scripts where the two are meant to agree (one
+D's notifications itself (:mod:`leasekit.vllm.prefill.notifications`). On scripts where the two are meant to agree (one
 D agent, each lease completed at most once with ``n = 1``; binding and duplicate handling are where
 LeaseKit differs on purpose, see ``test_differential_vllm.py``), both workers, built the way
 ``tests/vllm_replay.py`` builds vLLM's (real ``start_load_kv``, ``_get_new_notifs`` and
@@ -60,8 +60,8 @@ class LeaseKitP(R.VllmP):
     @contextlib.contextmanager
     def clocks(self):
         import leasekit.vllm.connector as connector
-        import leasekit.vllm.notifs as notifs
-        import leasekit.vllm.pholds as pholds
+        import leasekit.vllm.prefill.notifications as notifs
+        import leasekit.vllm.prefill.pledges as pholds
 
         saved = [(m, m.time) for m in (connector, notifs, pholds)]
         try:

@@ -1,4 +1,4 @@
-"""The side-channel handshake listener (leasekit.vllm.listener) on real ZMQ sockets in a thread:
+"""The side-channel handshake listener (leasekit.vllm.prefill.listener) on real ZMQ sockets in a thread:
 good requests answered as vLLM answers them, every kind of bad request refused, counted and
 survived, stop_event honoured, a failed bind retried. Plus the stock listener's defect, and the
 listener health on its way to /metrics (ListenerStatsReporter -> LeaseKitPromMetrics)."""
@@ -15,7 +15,7 @@ import zmq
 from leasekit.chaos.peer import handshake_request, side_channel_request
 from leasekit.lease import LeaseTiming
 from leasekit.telemetry import metrics as m
-from leasekit.vllm import listener as lst
+from leasekit.vllm.prefill import listener as lst
 
 SERVED = {(0, 0): b"META-0", (0, 1): b"META-1"}
 HOST = "127.0.0.1"

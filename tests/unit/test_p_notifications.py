@@ -1,4 +1,4 @@
-"""P's notification handling (leasekit.vllm.notifs) over a stand-in of vLLM's worker state: the
+"""P's notification handling (leasekit.vllm.prefill.notifications) over a stand-in of vLLM's worker state: the
 three payloads that crash stock P, binding, duplicates, late reads and the max-hold cap."""
 
 import time
@@ -13,7 +13,7 @@ from leasekit.lease import LeaseTiming
 from leasekit.telemetry import semconv as sc
 from leasekit.telemetry.lease_spans import LeaseSpanRecorder
 from leasekit.lease.settings import NotificationConfigError, notification_settings
-from leasekit.vllm.notifs import PNotificationHandling
+from leasekit.vllm.prefill.notifications import PNotificationHandling
 from leasekit.vllm.stats import DROPS, LeaseKitKVConnectorStats, LeaseStatsObserver
 
 L = 6

@@ -1,6 +1,6 @@
 """The grant pledge (leasekit/lease/pledge.py): the clock bound is never below the true remote clock, the
 gate uses a pledge only when the bound proves it held, and P holds a pledged lease's blocks past an early
-completion (leasekit/vllm/pholds.py over the stand-in worker of test_p_notifications)."""
+completion (leasekit/vllm/prefill/pledges.py over the stand-in worker of test_p_notifications)."""
 
 import math
 

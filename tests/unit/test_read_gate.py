@@ -240,7 +240,7 @@ def test_p_without_fail_closed_ignores_hellos_and_never_notifies_d(d0):
 
 
 def test_p_closes_the_least_recently_answered_agent_at_the_cap(monkeypatch, d0):
-    import leasekit.vllm.notifs as notifs
+    import leasekit.vllm.prefill.notifications as notifs
 
     monkeypatch.setattr(notifs, "MAX_PROTOCOL_AGENTS", 2)
     w = p_worker()

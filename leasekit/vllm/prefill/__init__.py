@@ -3,4 +3,11 @@ talks to the worker through a narrow, documented interface (no attribute set beh
 
 - :mod:`leasekit.vllm.prefill.expiry`: the expiry heap that indexes vLLM's ``_reqs_to_send`` and finds
   the leases due for reaping without scanning them all.
+- :mod:`leasekit.vllm.prefill.notifications`: D's notifications on P (heartbeats, completions, hellos),
+  parsed, bound to their D agent, capped by the max hold; answered with verdicts and acknowledgements;
+- :mod:`leasekit.vllm.prefill.pledges`: the grant pledge (no block of a fresh lease freed early);
+- :mod:`leasekit.vllm.prefill.listener`: the side-channel handshake listener that survives bad requests.
+
+The notification handling and pledges are still mixins of the worker class (they read the worker's
+vLLM attributes); the expiry heap is a component with its own interface.
 """

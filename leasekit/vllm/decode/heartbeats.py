@@ -2,7 +2,7 @@
 chaos fault points of the send path and the forward pass.
 
 Hooks of vllm 0.32.0 (``.../kv_connector/v1/nixl/base_worker.py``): ``_send_heartbeats`` (stock sending,
-after a hello to P engines that speak the fail-closed protocol, :mod:`leasekit.vllm.dgate`; with fault
+after a hello to P engines that speak the fail-closed protocol, :mod:`leasekit.vllm.decode.gate`; with fault
 points enabled, batches may be dropped, delayed or duplicated here, with real NIXL underneath) and the
 NIXL wrapper's ``send_notif`` (through :class:`leasekit.vllm.taps.NotificationTap`, which calls
 :meth:`DHeartbeats._lk_heartbeat_sent` per heartbeat notification).

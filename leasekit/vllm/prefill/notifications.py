@@ -27,7 +27,7 @@ request in ``_reqs_to_send``/``_reqs_to_process`` counts one consumer, and the b
   from such an agent that carries D's sequence token ``LK1~<n>`` is acknowledged,
   ``LK1:A:<n>:<remaining ms>:<ids>`` (the ids it extended and the least time left over them, counted from
   ``now``, read before the batch was handled; at most 60 KiB of ids). A verdict or acknowledgement arriving as a NIXL notification is
-  ``bad_protocol`` (they travel over ZMQ; D's inbox hands them to its read gate, :mod:`leasekit.vllm.dgate`).
+  ``bad_protocol`` (they travel over ZMQ; D's inbox hands them to its read gate, :mod:`leasekit.vllm.decode.gate`).
 
 Each drop is one ``leasekit_kv_lease_notifications_dropped_total{reason}`` increment and a WARNING at
 most every 10 s (with the suppressed count). An unexpected exception while handling one message drops
@@ -58,7 +58,7 @@ from leasekit.lease.config import LeaseTiming
 from leasekit.lease.readgate import agent_name
 from leasekit.telemetry import lease_events as ev
 from leasekit.telemetry.lease_log import RateLimitedWarning, lease_logger
-from leasekit.vllm.pholds import PPledgeHolds
+from leasekit.vllm.prefill.pledges import PPledgeHolds
 from leasekit.vllm.prefill.expiry import ExpiryIndex
 from leasekit.vllm.verdictchan import MAX_ACK_BYTES, VerdictOutbox, decode_hello_payload
 
@@ -85,7 +85,7 @@ class PNotificationHandling(PPledgeHolds):
         notification handled; ``fail_closed``: this P speaks the fail-closed protocol
         (``leasekit_fail_closed``); when False hellos are ignored, as a stock P does, and P never
         connects to a D nor answers one (no verdicts, no acknowledgements); ``pledge_s``: P's
-        ``leasekit_pledge_s``, seconds (0: no pledge; leasekit/vllm/pholds.py); ``timing``: the lease
+        ``leasekit_pledge_s``, seconds (0: no pledge; leasekit/vllm/prefill/pledges.py); ``timing``: the lease
         timing in force (default: the span recorder's), for :attr:`_lk_leases`, the expiry heap that
         indexes vLLM's ``_reqs_to_send`` (:class:`leasekit.vllm.prefill.expiry.ExpiryIndex`)."""
         self._lk_leases = ExpiryIndex(self._reqs_to_send, timing or self._lk.timing, max_hold_s)
@@ -121,7 +121,7 @@ class PNotificationHandling(PPledgeHolds):
                 except Exception as exc:  # a bug of ours must not take P's engine down
                     self._lk_drop("internal_error", agent, f"{type(exc).__name__}: {exc}")
         try:
-            self._lk_release_deferred(now, done)  # pledged leases whose completion came early (pholds.py)
+            self._lk_release_deferred(now, done)  # pledged leases whose completion came early (prefill/pledges.py)
         except Exception as exc:  # a bug of ours must not take P's engine down (the ids go to vLLM first)
             self._lk_pledge_warning.warn("LeaseKit: releasing pledged leases failed: %s: %s", type(exc).__name__,
                                          exc, event="pledge_release_error")
@@ -156,7 +156,7 @@ class PNotificationHandling(PPledgeHolds):
         if agent in self._lk_protocol_agents:
             del self._lk_protocol_agents[agent]  # most recently used last
         elif len(self._lk_protocol_agents) >= MAX_PROTOCOL_AGENTS:  # least recently used: its D, if alive,
-            # times out one read and then says hello again (dgate.py)
+            # times out one read and then says hello again (decode/gate.py)
             self._lk_unload(next(iter(self._lk_protocol_agents)))
         try:
             changed = self._lk_outbox.connect(agent, endpoint, token)
@@ -258,7 +258,7 @@ class PNotificationHandling(PPledgeHolds):
 
     def _lk_completion(self, agent: str, message: Completion, now: float, done: set[str]) -> None:
         req_id = message.req_id
-        deferred = req_id in self._lk_deferred or req_id in self._lk_early  # completed, still pinned (pholds.py)
+        deferred = req_id in self._lk_deferred or req_id in self._lk_early  # completed, still pinned (prefill/pledges.py)
         live = deferred or req_id in self._reqs_to_send or req_id in self._reqs_to_process
         self._lk_verdict(agent, req_id, live)  # before anything can raise: D must hear, whatever happens
         if deferred:
@@ -287,7 +287,7 @@ class PNotificationHandling(PPledgeHolds):
         self._lk.retrieval(req_id, remote_agent=agent, now=now)
         self.consumer_notification_counts_by_req[req_id] += 1
         if result == RELEASED:
-            if req_id not in self._reqs_to_send:  # before its grant reached this worker: held (pholds.py)
+            if req_id not in self._reqs_to_send:  # before its grant reached this worker: held (prefill/pledges.py)
                 self._lk_park_early(req_id, now)
                 return
             self._lk_take_out(req_id)

@@ -27,7 +27,7 @@ from leasekit.vllm.scheduler import METADATA_PLEDGE_CLOCK_ATTR, METADATA_PLEDGES
 
 class PPledgeHolds:
     """Mixin for LeaseKitConnector's NIXL worker (needs vLLM's ``_reqs_to_send`` and LeaseKit's ``_lk``
-    span recorder, ``_lk_stats``); a base of :class:`leasekit.vllm.notifs.PNotificationHandling`,
+    span recorder, ``_lk_stats``); a base of :class:`leasekit.vllm.prefill.notifications.PNotificationHandling`,
     whose ``_lk_init_notifications`` calls :meth:`_lk_init_pledges`."""
 
     def _lk_init_pledges(self, pledge_s: float = 0.0) -> None:
