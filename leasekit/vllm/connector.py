@@ -119,7 +119,14 @@ def _run_dir(kv_transfer_config: Any) -> str:
 
 class LeaseKitPullWorker(DHeartbeats, DReadGating, PNotificationHandling, NixlPullConnectorWorker):
     """Worker side: stock NIXL pull worker that records every lease transition as span events, and
-    handles D's notifications robustly (:mod:`leasekit.vllm.prefill.notifications`)."""
+    handles D's notifications robustly (:mod:`leasekit.vllm.prefill.notifications`).
+
+    A worker whose LeaseKit part never ran (``_lk_ready`` False: built without ``__init__``, as vLLM's own
+    unit tests build workers with ``object.__new__``) behaves exactly as vLLM's: every override hands the
+    call to vLLM's method. ``__init__`` either finishes ``_lk_setup`` or raises, so an engine never runs a
+    half-built worker."""
+
+    _lk_ready = False
 
     def __init__(self, vllm_config: "VllmConfig", engine_id: str, kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config, engine_id, kv_cache_config)
@@ -132,6 +139,7 @@ class LeaseKitPullWorker(DHeartbeats, DReadGating, PNotificationHandling, NixlPu
 
         Raises the configuration errors listed on :class:`LeaseKitConnector`."""
         self._lk_errors = TelemetryErrors(logger)
+        self._lk_ready = False
         lease_duration = self.kv_transfer_config.get_from_extra_config(
             "kv_lease_duration", DEFAULT_LEASE_DURATION_S
         )
@@ -194,12 +202,15 @@ class LeaseKitPullWorker(DHeartbeats, DReadGating, PNotificationHandling, NixlPu
             timing.extension_s,
             ", ".join(sinks) or "nowhere",
         )
+        self._lk_ready = True
 
     # -- grant -----------------------------------------------------------------------------
     def start_load_kv(self, metadata: Any) -> None:
         """Stock ``start_load_kv``, then a grant for each new ``_reqs_to_send`` entry.
 
         With fault points enabled, a configured forward-pass stall sleeps here first."""
+        if not self._lk_ready:
+            return super().start_load_kv(metadata)
         if self._lk_faults.enabled:
             self._lk_apply_stall()
         self._lk_protect(getattr(metadata, METADATA_PROTECTED_ATTR, None))
@@ -240,6 +251,8 @@ class LeaseKitPullWorker(DHeartbeats, DReadGating, PNotificationHandling, NixlPu
     # -- step bookkeeping ------------------------------------------------------------------
     def get_transfer_results(self) -> Any:
         """Stock results; records the step gap and ends leases that vanished without a transition."""
+        if not self._lk_ready:
+            return super().get_transfer_results()
         now = time.perf_counter()
         self._lk_step_gap = None if self._lk_last_step is None else now - self._lk_last_step
         self._lk_last_step = now
@@ -291,6 +304,8 @@ class LeaseKitPullWorker(DHeartbeats, DReadGating, PNotificationHandling, NixlPu
         (its accounting, stats and log line unchanged) with ``_reqs_to_send`` narrowed to them. Same
         semantics: called after the step's notifications were drained; a deadline is never shortened;
         every expired lease is reported once."""
+        if not self._lk_ready:
+            return super()._reap_expired_send_leases(done_sending)
         now = time.perf_counter()
         stamped = self._reqs_to_send
         if self._lk_leases.stamped is not stamped:  # vLLM rebound its lease map: index the new one (O(n), once)
@@ -321,6 +336,8 @@ class LeaseKitPullWorker(DHeartbeats, DReadGating, PNotificationHandling, NixlPu
 
     def shutdown(self) -> None:
         """Abort open lease spans (outcome ``aborted``, reason ``worker shutdown``), flush, stock shutdown."""
+        if not self._lk_ready:
+            return super().shutdown()
         for step in (lambda: self._lk.abort_all("worker shutdown"), lambda: self._lk_hb.untrack_all("worker shutdown"),
                      self._lk_close_gate, self._lk_close_notifications, self._lk_spans.close,
                      self._lk_provider.shutdown):

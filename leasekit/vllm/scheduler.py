@@ -48,7 +48,12 @@ class LeaseKitPullScheduler(NixlPullConnectorScheduler):
     """Scheduler side: stock behaviour; also hands the workers each new lease's KV block count and
     trace headers (P), and the requests D starts and stops heartbeating (D); runs a side-channel
     handshake listener that survives bad requests (:mod:`leasekit.vllm.prefill.listener`) and reports its
-    health (P)."""
+    health (P).
+
+    Built without ``__init__`` (``_lk_ready`` False: vLLM's own unit tests build schedulers with
+    ``object.__new__``), every method is vLLM's."""
+
+    _lk_ready = False
 
     def __init__(self, vllm_config: "VllmConfig", engine_id: str, kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config, engine_id, kv_cache_config)
@@ -69,6 +74,7 @@ class LeaseKitPullScheduler(NixlPullConnectorScheduler):
         self._lk_listener_stats = ListenerStatsReporter()
         self._lk_listener_report = bool(vllm_config.kv_transfer_config.is_kv_producer)
         self._lk_listener_warning = RateLimitedWarning(logger)
+        self._lk_ready = True
 
     # -- handshake listener (P) ------------------------------------------------------------
     def _nixl_handshake_listener(self, encoded_data: dict, ready_event: Any, stop_event: Any, host: str,
@@ -79,12 +85,16 @@ class LeaseKitPullScheduler(NixlPullConnectorScheduler):
         for good requests; a bad one is refused, counted and survived
         (:func:`leasekit.vllm.prefill.listener.serve_handshakes`). Returns only when ``stop_event`` is set
         (``shutdown``)."""
+        if not self._lk_ready:
+            return NixlPullConnectorScheduler._nixl_handshake_listener(encoded_data, ready_event, stop_event, host, port)
         serve_handshakes(encoded_data, ready_event, stop_event, make_zmq_path("tcp", host, port), self._lk_listener)
 
     def listener_stats(self) -> LeaseKitKVConnectorStats | None:
         """The listener's health as connector stats when it changed, else None; None as well on a
         consumer-only engine (in pull mode no D handshakes with D) and before the listener starts.
         Up means the thread is alive (seen from here) and its socket is bound and serving."""
+        if not self._lk_ready:
+            return None
         try:
             thread = getattr(self, "_nixl_handshake_listener_t", None)
             if not self._lk_listener_report or thread is None:
@@ -100,6 +110,8 @@ class LeaseKitPullScheduler(NixlPullConnectorScheduler):
         """Stock ``request_finished``; records ``sum(len(group))`` blocks for a delayed free (a lease)
         and the request's W3C trace headers, if it had any."""
         delay_free, params = super().request_finished(request, block_ids)
+        if not self._lk_ready:
+            return delay_free, params
         if request.request_id in self._lk_protected_ids:  # D: the read gate's state for it ends
             self._lk_protected_ids.discard(request.request_id)
             self._leasekit_finished.append(request.request_id)
@@ -123,6 +135,8 @@ class LeaseKitPullScheduler(NixlPullConnectorScheduler):
         """Stock tracking (D); a request it starts heartbeating is handed to the workers as
         ``[P request id, P engine id, D request id, trace headers]``."""
         super().on_new_request(request)
+        if not self._lk_ready:
+            return
         params = request.kv_transfer_params
         marker = params.get(PROTOCOL_PARAM) if params else None
         if params and params.get("do_remote_prefill") and type(marker) is int and marker in D_ACCEPTED_VERSIONS:
@@ -138,6 +152,8 @@ class LeaseKitPullScheduler(NixlPullConnectorScheduler):
 
     def _stop_heartbeat(self, req_id: str) -> None:
         """Stock; a request it stops heartbeating is handed to the workers (P's request id)."""
+        if not self._lk_ready:
+            return super()._stop_heartbeat(req_id)
         key = self._heartbeat_req_engine.get(req_id)
         super()._stop_heartbeat(req_id)
         if key is not None:
@@ -152,6 +168,8 @@ class LeaseKitPullScheduler(NixlPullConnectorScheduler):
         req_id -> pledge end, seconds on this process's ``perf_counter``, rebased by the workers like vLLM's
         deadlines) with ``leasekit_pledge_clock`` (this process's clock id); each emptied after."""
         meta = super().build_connector_meta(scheduler_output)
+        if not self._lk_ready:
+            return meta
         setattr(meta, METADATA_BLOCKS_ATTR, self._leasekit_blocks)
         setattr(meta, METADATA_TRACE_ATTR, self._leasekit_trace)
         setattr(meta, METADATA_TRACKED_ATTR, self._leasekit_tracked)

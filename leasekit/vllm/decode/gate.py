@@ -62,6 +62,8 @@ class DReadGating:
     ``_lk_errors``, ``_lk_hb`` (D's heartbeat spans: the read span joins the request's trace)). Call :meth:`_lk_init_gate` in ``__init__``
     and :meth:`_lk_close_gate` at shutdown."""
 
+    _lk_ready = True  # its init ran (LeaseKitPullWorker, whose class default is False, sets it after _lk_setup)
+
     def _lk_init_gate(self, timeout_s: float, lease_duration_s: float, tracer: Any) -> None:
         self._lk_gate = ReadGate(timeout_s, max_remaining_s=lease_duration_s)
         self._lk_gate_tracer = tracer
@@ -145,6 +147,8 @@ class DReadGating:
         verdict, then the hello (once per P agent). If either fails the read is ``ungated`` (discarded).
         vLLM 0.32 passes every argument by keyword (``pull_worker.py`` ``_read_and_notify``); positional
         arguments make every protected read ``ungated`` rather than unchecked."""
+        if not self._lk_ready:
+            return super()._read_blocks(*args, **kwargs)
         request_id = kwargs.get("request_id")
         if args and request_id is None:
             self._lk_gate.ungate_all()
@@ -201,6 +205,8 @@ class DReadGating:
         timed out) are reported done (verified; abandoned: the request already finished on D) or failed
         (reaped, timeout, ungated)."""
         done, failed = super()._pop_done_transfers(transfers)
+        if not self._lk_ready:
+            return done, failed
         if transfers is not self._recving_transfers:
             return done, failed
         try:

@@ -23,6 +23,8 @@ class DHeartbeats:
     ``_lk_stats``, ``_lk_hb``, ``_lk_hb_warning``, ``_lk_timing``, ``_lk_tap``, ``_lk_faults``,
     ``_lk_errors`` and the read gate's ``_lk_hello_engines``)."""
 
+    _lk_ready = True  # its init ran (LeaseKitPullWorker, whose class default is False, sets it after _lk_setup)
+
     def _lk_heartbeat_sent(self, agent_name: str, notif_msg: bytes, ok: bool) -> None:
         """Count one heartbeat notification (D): metric, span counts, rate-limited WARNING on failure."""
         try:
@@ -56,6 +58,8 @@ class DHeartbeats:
     def _send_heartbeats(self, metadata: Any) -> None:
         """Stock heartbeat sending; with fault points enabled, batches may be dropped, delayed or
         duplicated here, in the send path, with real NIXL underneath."""
+        if not self._lk_ready:
+            return super()._send_heartbeats(metadata)
         self._lk_hello_engines(metadata.heartbeat_by_engine)
         faults = self._lk_faults
         if not faults.enabled:

@@ -79,6 +79,8 @@ class PNotificationHandling(PPledgeHolds):
     LeaseKit's ``_lk`` span recorder and ``_lk_stats``). Call :meth:`_lk_init_notifications` in
     ``__init__`` after those exist."""
 
+    _lk_ready = True  # its init ran (LeaseKitPullWorker, whose class default is False, sets it after _lk_setup)
+
     def _lk_init_notifications(self, max_hold_s: float, max_bytes: int, *, fail_closed: bool,
                                pledge_s: float = 0.0, timing: LeaseTiming | None = None) -> None:
         """``max_hold_s``: seconds (see :func:`notification_settings`); ``max_bytes``: the largest
@@ -110,6 +112,8 @@ class PNotificationHandling(PPledgeHolds):
     def _get_new_notifs(self) -> set[str]:
         """Drain NIXL notifications (see module docstring); returns the request ids whose blocks every
         consumer read (stock contract). Never raises for anything a peer sent."""
+        if not self._lk_ready:
+            return super()._get_new_notifs()
         done: set[str] = set()
         batch = self.nixl_wrapper.get_new_notifs()
         now = time.perf_counter()  # before any handling: extensions are never later than stock's
