@@ -192,3 +192,21 @@ def test_a_rebound_lease_map_is_indexed_again(v, model_dir, tmp_path):
     lk.step(R.PStep(101.0, grant=("B",)))
     assert lk.step(R.PStep(106.0)).expired == frozenset({"A"})
     assert lk.step(R.PStep(107.0)).expired == frozenset({"B"}) and w._reqs_to_send == {}
+
+
+def test_a_worker_built_without_init_behaves_as_vllms(v, model_dir, tmp_path):
+    """vLLM's own unit tests build workers with ``object.__new__`` and a few attributes; LeaseKit's worker
+    built so (its setup never ran) must then be vLLM's worker exactly, not crash on its missing state."""
+    from leasekit.vllm.connector import LeaseKitPullWorker
+
+    config = R.make_vllm_config(v, model_dir, 6, "kv_producer")
+    script = one_agent(R.random_p_script(random.Random("bare"), 6))
+    stock = R.VllmP(v, config, 6, R.ManualClock(), scheduler_epoch_offset=EPOCH)
+    bare = R.VllmP(v, config, 6, R.ManualClock(), scheduler_epoch_offset=EPOCH)
+    worker = object.__new__(LeaseKitPullWorker)
+    worker.__dict__.update(bare.worker.__dict__)
+    bare.worker = worker
+    assert worker._lk_ready is False
+    for step in script:
+        want, got = stock.step(step), bare.step(step)
+        assert (got.live, got.released, got.expired) == (want.live, want.released, want.expired), step
