@@ -194,6 +194,8 @@ def test_blocks_reused_before_a_late_read_are_never_served(vllm_available, tmp_p
         assert p_digest and p_digest == d_digest, "a pledged read holds P's KV"
         rid, tokens, reference = _read_after_reuse(pair)
         assert lease(pair, rid).outcome == "expired"
+        # spans are exported in batches (every 0.2 s): P's lease span being there says nothing of D's
+        _wait(lambda: _read_outcomes(pair, rid) != [], 10, "D's read span of the late read")
         outcomes = _read_outcomes(pair, rid)
         assert len(outcomes) == 1 and outcomes[0] in (OUTCOME_REAPED, OUTCOME_TIMEOUT), outcomes
         p_digest, d_digest = _digests(pair, rid)

@@ -50,8 +50,12 @@ def test_leasekit_prefill_with_stock_decode(pair):
     load = queued_requests_survive_the_lease(pair)
     import time
 
-    time.sleep(0.5)
-    leases = {lease.request_id: lease for lease in read_leases(pair.span_dir)[0]}
+    deadline = time.monotonic() + 15  # spans are built and exported in the background, in batches
+    while True:
+        leases = {lease.request_id: lease for lease in read_leases(pair.span_dir)[0]}
+        if set(load.request_ids) <= set(leases) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     for rid in load.request_ids:
         lease = leases[rid]
         assert lease.outcome == "released" and lease.retrievals == 1 and lease.kv_blocks >= 1
