@@ -82,10 +82,13 @@ def test_max_pending_must_be_positive():
         SpanBuilder(max_pending=0)
 
 
-def test_a_burst_of_lease_ends_waits_for_the_exporter_instead_of_dropping(tmp_path):
+def test_a_burst_of_lease_ends_waits_for_the_exporter_instead_of_dropping(tmp_path, monkeypatch):
     """A dead D's leases expire in one reap: many more spans end at once than the span file's export
     queue holds. The builder's thread waits for room (it is not the engine's), so none is dropped."""
+    from leasekit.telemetry import batching
     from leasekit.telemetry.provider import build_tracer_provider
+
+    monkeypatch.setattr(batching, "MAY_WAIT_S", 60.0)  # the mechanism, not the bound: a loaded CI host is slow
 
     provider, _ = build_tracer_provider(run_dir=tmp_path, file_stem="p", resource_attributes={}, env={})
     builder = SpanBuilder()
