@@ -269,8 +269,11 @@ class FaultRun:
             self.effects.append(Effect(f"partition {what} matched traffic", bool(packets),
                                        f"nftables counters: {packets} packet(s) dropped or rejected"))
             start, now = injector.record["injected_monotonic_s"], time.monotonic()
-            if silences:
-                self._expect_silence(start, now, injector.record["injected_wall_s"], 0.9 * (now - start), f"partition {what}")
+            if silences:  # only where the rules surely held: between the two nft commands, not around them
+                held_from = injector.record.get("in_force_monotonic_s", start)
+                held_to = injector.record.get("lifting_monotonic_s", now)
+                wall = injector.record.get("in_force_wall_s", injector.record["injected_wall_s"])
+                self._expect_silence(held_from, held_to, wall, 0.9 * (held_to - held_from), f"partition {what}")
             self.windows.append((start, now, f"partition {what}"))
         self._partitions = []
 

@@ -98,6 +98,9 @@ def test_all_cuts_both_ways_and_is_counted_and_lifted(bed):
     finally:
         fault.cleanup()
     assert fault.record["packets_matched"] >= 2 and fault.record["recovered_monotonic_s"] >= fault.record["injected_monotonic_s"]
+    # the interval the rules surely held lies inside the one around both nft commands
+    r = fault.record
+    assert r["injected_monotonic_s"] <= r["in_force_monotonic_s"] <= r["lifting_monotonic_s"] <= r["recovered_monotonic_s"]
     assert connect(bed, DATA_PORT)[0] == "ok"
     fault.cleanup()  # idempotent
     listing = subprocess.run([*bed.exec_prefix("prefill"), "nft", "list", "table", "inet", "leasekit"], capture_output=True, text=True).stdout

@@ -46,3 +46,24 @@ def test_silence_until_an_expiry_counts_up_to_e(execution):
 def test_no_heartbeat_before_the_fault_is_not_evidence(execution):
     (e,) = effects(execution, [(10.0, 12.0, 0.0, 1.8, "stall")], [lease([12.5, 13.5])])
     assert not e.took_effect and "before" in e.evidence
+
+
+def test_a_partitions_silence_is_where_its_rules_surely_held(monkeypatch):
+    """Each ``nft`` can take a good part of a second on a loaded host: the silence P must show is the
+    interval between the adding command's return and the deleting command's start, not around them."""
+    from leasekit.chaos.actions import FaultRun
+
+    class SlowNft:
+        record = {"injected_monotonic_s": 100.0, "injected_wall_s": 5000.0, "in_force_monotonic_s": 100.4,
+                  "in_force_wall_s": 5000.4}
+
+        def recover(self):
+            self.record.update(packets_matched=1, lifting_monotonic_s=101.3, recovered_monotonic_s=101.7)
+
+    run = FaultRun(SimpleNamespace(), [], [], SimpleNamespace())
+    run._partitions = [(0.0, SlowNft(), True, "all both (drop)")]
+    monkeypatch.setattr("leasekit.chaos.actions.time.monotonic", lambda: 101.8)
+    run.finish_partition()
+    ((start, end, wall, min_gap, label),) = run.silences
+    assert (start, end, wall) == (100.4, 101.3, 5000.4) and min_gap == pytest.approx(0.81)
+    assert run.windows[0][:2] == (100.0, 101.8)  # the fault's own window still spans both commands

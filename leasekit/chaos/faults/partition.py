@@ -263,8 +263,11 @@ def partition_plan(fault, *, pair=None, site: PartitionSite | None = None) -> Pa
 class PartitionInjector:
     """Adds one partition's rules to ``namespace`` (atomically, one ``nft -f``), counts the packets
     they matched, removes them. ``record`` (in place): kind ``nft``, namespace, ``rules`` (text),
-    ``handles``, ``packets_matched`` (at recovery), ``injected_*``/``recovered_*`` stamps
-    (``_monotonic_s``: ``time.monotonic()``, ``_wall_s``: ``time.time()``), plus ``details``.
+    ``handles``, ``packets_matched`` (at recovery), ``injected_*``/``recovered_*`` stamps (before the
+    adding ``nft`` ran, after the deleting one returned) and ``in_force_*``/``lifting_*`` stamps (after
+    the adding ``nft`` returned, before the deleting one ran: the rules surely held in between; on a
+    loaded host each ``nft`` can take a good part of a second) (``_monotonic_s``: ``time.monotonic()``,
+    ``_wall_s``: ``time.time()``), plus ``details``.
     The namespace belongs to the caller: cleanup never deletes it (nor the table, which other
     partitions may share)."""
 
@@ -299,6 +302,7 @@ class PartitionInjector:
             raise FaultError(f"nft echoed {len(found)} rule handle(s) for {len(self.rules)} rule(s): {out!r}")
         self.handles = [(r.chain, h) for r, h in zip(self.rules, found)]
         self.record["handles"] = [h for _, h in self.handles]
+        stamp(self.record, "in_force")
 
     def packets(self) -> int | None:
         """Packets the rules have matched so far (sum of their counters), or None if not injected or
@@ -325,6 +329,7 @@ class PartitionInjector:
         handles, packets = self.handles, self.packets()
         self.handles = None
         self.record["packets_matched"] = packets
+        stamp(self.record, "lifting")
         script = "".join(f"delete rule inet leasekit {chain} handle {h}\n" for chain, h in handles)
         try:
             self._nft("-f", "-", stdin=script)
