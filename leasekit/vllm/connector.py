@@ -13,21 +13,19 @@ signatures and attributes it relies on are recorded per release in :mod:`leaseki
 - D side: tracking (``on_new_request`` / ``_stop_heartbeat`` of the scheduler, handed to the worker in
   the connector metadata) and heartbeat notifications sent (``send_notif`` of the NIXL wrapper).
 
-and replaces one: P's notification handling (``_get_new_notifs``: extend, retrieval, release, late
-reads) is :class:`leasekit.vllm.prefill.notifications.PNotificationHandling`, which parses every notification with
-leasekit's codecs, drops and counts malformed, unknown, duplicate and foreign ones instead of raising
-in P's engine loop, binds each lease to the first D agent that touches it, and caps a lease's total
-life (``leasekit_max_hold_s``, default max(480 s, L)). The scheduler's side-channel handshake listener
-(``_nixl_handshake_listener``, ``base_scheduler.py``) is replaced as well: :mod:`leasekit.vllm.prefill.listener`
-refuses, counts and survives malformed handshake requests, and its liveness reaches ``/metrics``
-through the scheduler-role ``get_kv_connector_stats``.
+and replaces some, delegating each to a component built with everything it uses passed in:
+
+- P (:mod:`leasekit.vllm.prefill`): lease keeping is :class:`leasekit.lease.pkeeping.PLeaseKeeping`
+  (pure rules: binding to the first D agent, max hold ``leasekit_max_hold_s``, grant pledges, an expiry
+  heap that replaces vLLM's full-scan reap); ``_get_new_notifs`` is the notification intake (malformed,
+  unknown, duplicate and foreign messages counted and dropped, never raised in P's engine loop); P's
+  verdict channel answers D over ZMQ; the scheduler's side-channel listener survives bad requests.
+- D (:mod:`leasekit.vllm.decode`): heartbeat sending (with the chaos fault points) and the read gate.
 
 Fail closed (docs/fail-closed.md; on unless ``leasekit_fail_closed`` is false on P): P marks the
-``kv_transfer_params`` it returns with ``leasekit_protocol``; a LeaseKit D then holds each finished read until P confirmed that the lease
-covered it (:mod:`leasekit.vllm.decode.gate`, P's side in :mod:`leasekit.vllm.prefill.notifications`, P's answers over ZMQ in
-:mod:`leasekit.vllm.verdictchan`), and a read P had
-reaped, or not confirmed in time, is reported failed so vLLM's ``kv_load_failure_policy`` applies.
-D's heartbeat sending and the chaos fault points are :mod:`leasekit.vllm.decode.heartbeats`.
+``kv_transfer_params`` it returns with ``leasekit_protocol``; a LeaseKit D then holds each finished read
+until P confirmed that the lease covered it, and a read P had reaped, or not confirmed in time, is
+reported failed so vLLM's ``kv_load_failure_policy`` applies.
 
 Each transition goes to the lease span, to the Prometheus metrics (through vLLM's connector-stats
 path, :mod:`leasekit.vllm.stats`, onto the server's own ``/metrics``) and to one structured log record
@@ -82,11 +80,16 @@ from leasekit.lease.settings import (  # noqa: E402
     pledge_seconds,
     verdict_timeout,
 )
-from leasekit.vllm.decode.gate import DReadGating  # noqa: E402
-from leasekit.vllm.decode.heartbeats import DHeartbeats  # noqa: E402
+from leasekit.vllm.decode.gate import DReadGate  # noqa: E402
+from leasekit.vllm.decode.heartbeats import DHeartbeatSender  # noqa: E402
+from leasekit.vllm.decode.hooks import DHooks  # noqa: E402
+from leasekit.vllm.decode.vllmstate import VllmDState  # noqa: E402
 from leasekit.vllm.faultpoints import FaultPoints  # noqa: E402
 from leasekit.vllm.kvdigest import KV_DIGEST_ATTR, kv_digest  # noqa: E402
-from leasekit.vllm.prefill.notifications import PNotificationHandling  # noqa: E402
+from leasekit.vllm.clockid import local_clock_id  # noqa: E402
+from leasekit.lease.readgate import agent_name  # noqa: E402
+from leasekit.vllm.prefill.hooks import PHooks, build_prefill  # noqa: E402
+from leasekit.vllm.prefill.vllmstate import VllmSendState  # noqa: E402
 from leasekit.vllm.scheduler import (  # noqa: E402
     METADATA_BLOCK_IDS_ATTR,
     METADATA_BLOCKS_ATTR,
@@ -117,7 +120,7 @@ def _run_dir(kv_transfer_config: Any) -> str:
     return str(configured or os.environ.get(RUN_DIR_ENV) or DEFAULT_RUN_DIR)
 
 
-class LeaseKitPullWorker(DHeartbeats, DReadGating, PNotificationHandling, NixlPullConnectorWorker):
+class LeaseKitPullWorker(PHooks, DHooks, NixlPullConnectorWorker):
     """Worker side: stock NIXL pull worker that records every lease transition as span events, and
     handles D's notifications robustly (:mod:`leasekit.vllm.prefill.notifications`).
 
@@ -177,19 +180,27 @@ class LeaseKitPullWorker(DHeartbeats, DReadGating, PNotificationHandling, NixlPu
         self._lk_drops_at = 0.0
         self._lk_gauge_at, self._lk_soon = 0.0, 0
         atexit.register(self._lk_spans.close, 2.0)  # before the provider's own exit hook (LIFO): build what is queued
-        self._lk_init_notifications(max_hold_s, max_bytes, timing=timing,
-                                    fail_closed=bool(self.kv_transfer_config.is_kv_producer and fail_closed_enabled(self.kv_transfer_config)),
-                                    pledge_s=pledge_seconds(self.kv_transfer_config, timing.lease_duration_s))
-        self._lk_init_gate(verdict_timeout(self.kv_transfer_config, timing.lease_duration_s),
-                           timing.lease_duration_s, tracer)
+        fail_closed = bool(self.kv_transfer_config.is_kv_producer and fail_closed_enabled(self.kv_transfer_config))
+        self._lk_p = build_prefill(VllmSendState(self), timing=timing, max_hold_s=max_hold_s, max_bytes=max_bytes,
+                                   recorder=self._lk, stats=self._lk_stats, errors=self._lk_errors,
+                                   own_agent=agent_name(getattr(self.nixl_wrapper, "name", "")), fail_closed=fail_closed,
+                                   pledge_s=pledge_seconds(self.kv_transfer_config, timing.lease_duration_s),
+                                   clock_id=local_clock_id())  # P's components: leasekit.vllm.prefill
+        self._lk_faults = FaultPoints.from_env(self.tp_rank)
         self._lk_hb = HeartbeatSpanRecorder(tracer, engine_id=engine_id, tp_rank=self.tp_rank, kv_role=kv_role)
-        self._lk_hb_warning = RateLimitedWarning(lease_logger())
-        self._lk_tap = NotificationTap(self.nixl_wrapper, self._lk_heartbeat_sent)
-        self._lk_tap.rewrite = self._lk_sequence_heartbeat
+        d_state = VllmDState(self)  # D's components: leasekit.vllm.decode
+        self._lk_gate = DReadGate(d_state, timeout_s=verdict_timeout(self.kv_transfer_config, timing.lease_duration_s),
+                                  lease_duration_s=timing.lease_duration_s, tracer=tracer, stats=self._lk_stats,
+                                  errors=self._lk_errors, faults=self._lk_faults, drop=self._lk_p.intake.drop,
+                                  context_of=self._lk_hb.context_of, warning=RateLimitedWarning(lease_logger()))
+        self._lk_dbeats = DHeartbeatSender(d_state, spans=self._lk_hb, stats=self._lk_stats, errors=self._lk_errors,
+                                           faults=self._lk_faults, extension_s=timing.extension_s,
+                                           warning=RateLimitedWarning(lease_logger()))
+        self._lk_tap = NotificationTap(self.nixl_wrapper, self._lk_dbeats.sent)
+        self._lk_tap.rewrite = self._lk_gate.sequence_heartbeat
         self.nixl_wrapper = self._lk_tap
         self._lk_last_step: float | None = None
         self._lk_step_gap: float | None = None
-        self._lk_faults = FaultPoints.from_env(self.tp_rank)
         if self._lk_faults.enabled:
             self._lk_faults.write_state()  # first clock probe
             logger.warning("LeaseKitConnector fault points ENABLED (%s): for chaos testing only", self._lk_faults.path)
@@ -212,25 +223,16 @@ class LeaseKitPullWorker(DHeartbeats, DReadGating, PNotificationHandling, NixlPu
         if not self._lk_ready:
             return super().start_load_kv(metadata)
         if self._lk_faults.enabled:
-            self._lk_apply_stall()
-        self._lk_protect(getattr(metadata, METADATA_PROTECTED_ATTR, None))
-        self._lk_finished(getattr(metadata, METADATA_FINISHED_ATTR, None))
+            self._lk_dbeats.apply_stall()
+        self._lk_gate.protect(getattr(metadata, METADATA_PROTECTED_ATTR, None))
+        self._lk_gate.finish(getattr(metadata, METADATA_FINISHED_ATTR, None))
         super().start_load_kv(metadata)
-        tracked = getattr(metadata, METADATA_TRACKED_ATTR, None)
-        untracked = getattr(metadata, METADATA_UNTRACKED_ATTR, None)
-        if tracked or untracked:
-            try:
-                for remote_id, remote_engine, decode_id, headers in tracked or ():
-                    self._lk_hb.track(remote_id, remote_engine_id=remote_engine, decode_request_id=decode_id,
-                                      trace_headers=headers)
-                for remote_id in untracked or ():
-                    self._lk_hb.untrack(remote_id)
-            except Exception as exc:
-                self._lk_errors.report("track", exc)
+        self._lk_dbeats.track(getattr(metadata, METADATA_TRACKED_ATTR, None),
+                              getattr(metadata, METADATA_UNTRACKED_ATTR, None))
         if metadata.reqs_to_send:
-            self._lk_leases.index(metadata.reqs_to_send, time.perf_counter())  # outside the telemetry guard
+            self._lk_p.leases.index(metadata.reqs_to_send, time.perf_counter())  # outside the telemetry guard
             self._lk_grants(metadata)
-        self._lk_take_pledges(metadata)
+        self._lk_p.pledges.take(metadata, time.perf_counter())
 
 
     def _lk_grants(self, metadata: Any) -> None:
@@ -258,19 +260,20 @@ class LeaseKitPullWorker(DHeartbeats, DReadGating, PNotificationHandling, NixlPu
         self._lk_last_step = now
         results = super().get_transfer_results()
         try:
-            if self._lk.active > len(self._reqs_to_send) + len(self._lk_deferred):
+            deferred = self._lk_p.pledges.deferred
+            if self._lk.active > len(self._reqs_to_send) + len(deferred):
                 for req_id in self._lk.open_ids():
-                    if req_id not in self._reqs_to_send and req_id not in self._lk_deferred:
+                    if req_id not in self._reqs_to_send and req_id not in deferred:
                         self._lk.abort(req_id, "left _reqs_to_send without release or expiry")
             if now >= self._lk_drops_at:  # once a second: the counters only grow
                 self._lk_drops_at = now + 1.0
                 self._lk_report_span_drops()
-            self._lk_sweep_bindings()
-            self._lk_sweep_pledges()
+            self._lk_p.intake.sweep_bindings()
+            self._lk_p.pledges.sweep(now)
             if self._lk.active or self._lk_stats.active or self._lk_stats.pinned_blocks:
                 if now >= self._lk_gauge_at:  # once a second: O(k log n) with k leases near their deadline
                     self._lk_gauge_at = now + 1.0
-                    self._lk_soon = self._lk_leases.expiring_within(self._lk_timing.heartbeat_interval_s, now)
+                    self._lk_soon = self._lk_p.leases.expiring_within(self._lk_timing.heartbeat_interval_s, now)
                 self._lk_stats.state(self._lk_soon)
             else:
                 self._lk_stats.state(0)
@@ -291,55 +294,14 @@ class LeaseKitPullWorker(DHeartbeats, DReadGating, PNotificationHandling, NixlPu
             if failed > last_failed:
                 self._lk_stats.spans_dropped("export_failed", failed - last_failed)
 
-    # -- extend, retrieval, release: leasekit.vllm.prefill.notifications.PNotificationHandling._get_new_notifs ----------
-
-    # -- expire ----------------------------------------------------------------------------
-    def _reap_expired_send_leases(self, done_sending: set[str]) -> None:
-        """vLLM's reap, on the leases the expiry heap says are due, then an expire event for each.
-
-        Stock (vllm 0.32.0 ``nixl/base_worker.py: _reap_expired_send_leases``) scans every entry of
-        ``_reqs_to_send`` each step (O(n)). Here :attr:`_lk_leases` (a min-heap over the same deadlines,
-        :class:`leasekit.vllm.prefill.expiry.ExpiryIndex`) yields the leases with ``deadline <= now`` in
-        O(k log n), each checked against ``_reqs_to_send``; vLLM's own method then reaps exactly those
-        (its accounting, stats and log line unchanged) with ``_reqs_to_send`` narrowed to them. Same
-        semantics: called after the step's notifications were drained; a deadline is never shortened;
-        every expired lease is reported once."""
-        if not self._lk_ready:
-            return super()._reap_expired_send_leases(done_sending)
-        now = time.perf_counter()
-        stamped = self._reqs_to_send
-        if self._lk_leases.stamped is not stamped:  # vLLM rebound its lease map: index the new one (O(n), once)
-            self._lk_leases.rebind(stamped, now)
-        due = self._lk_leases.due(now)
-        if not due:
-            return
-        before = len(done_sending)
-        already = set(done_sending) if before else ()
-        self._reqs_to_send = narrowed = dict(due)
-        try:
-            super()._reap_expired_send_leases(done_sending)  # vLLM's reap over the due leases only
-        finally:
-            self._reqs_to_send = stamped
-            for req_id in due:
-                if req_id not in narrowed:  # vLLM reaped it
-                    del stamped[req_id]
-            self._lk_leases.restore(narrowed, now)  # not reaped (cannot happen: due by the same clock)
-        if len(done_sending) == before:
-            return
-        for req_id in done_sending:
-            if req_id not in already:
-                self._lk_binding.forget(req_id)
-                try:  # each on its own: one failure must not turn the others' expiries into aborts
-                    self._lk.expire(req_id, step_gap_s=self._lk_step_gap, cause=self._lk_expiry_cause(req_id))
-                except Exception as exc:
-                    self._lk_errors.report("expire", exc)
+    # -- extend, retrieval, release, expire: leasekit.vllm.prefill.hooks.PHooks ---------------
 
     def shutdown(self) -> None:
         """Abort open lease spans (outcome ``aborted``, reason ``worker shutdown``), flush, stock shutdown."""
         if not self._lk_ready:
             return super().shutdown()
         for step in (lambda: self._lk.abort_all("worker shutdown"), lambda: self._lk_hb.untrack_all("worker shutdown"),
-                     self._lk_close_gate, self._lk_close_notifications, self._lk_spans.close,
+                     self._lk_gate.close, self._lk_p.replies.close, self._lk_spans.close,
                      self._lk_provider.shutdown):
             try:  # each step on its own: spans are flushed even if closing a socket failed
                 step()

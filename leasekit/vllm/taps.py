@@ -8,10 +8,13 @@ import logging
 import time
 from typing import Any
 
+from leasekit.lease.codec import HEARTBEAT_PREFIX as _HEARTBEAT_TEXT
 from leasekit.telemetry.lease_log import RateLimitedWarning
 
-HEARTBEAT_PREFIX = b"HB:"
-"""Heartbeat notifications are ``b"HB:" + b",".join(ids)`` (vllm 0.32.0 ``nixl/base_worker.py``)."""
+HEARTBEAT_PREFIX = _HEARTBEAT_TEXT.encode()
+"""``b"HB:"``: heartbeat notifications are ``b"HB:" + b",".join(ids)`` (vllm 0.32.0 and 0.33.0
+``nixl/base_worker.py``; the ``heartbeat_prefix`` wire record of :mod:`leasekit.vllm.needs`), the
+prefix of LeaseKit's codec (:mod:`leasekit.lease.codec`) encoded."""
 
 
 class TelemetryErrors:

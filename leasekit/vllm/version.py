@@ -2,160 +2,36 @@
 NixlConnector, so it only loads on the releases it was checked against, and checks at import that
 the installed vLLM still has each hook with the recorded signature and each attribute.
 
-What LeaseKit needs of vLLM is recorded per release (:data:`RELEASE_NEEDS`): for each vLLM class,
-the methods it overrides or calls with their parameter names (as :func:`inspect.signature` gives
-them), the instance attributes it reads, the methods vLLM must call with keywords only, the
-``kv_transfer_params`` keys P's ``request_finished`` must write; and the log formats the stock-log
-parser reads (:mod:`leasekit.telemetry.vllm_log`). At import (:func:`check_installed`) signatures are
-read with :mod:`inspect` and the rest from the installed ``.py`` files with :mod:`ast`
-(:mod:`leasekit.vllm.vllmsrc`: attributes exist only after ``__init__``). The same records are
-checked statically against a release's source distribution (:func:`check_source`;
-tests/unit/test_vllm_033_static.py for 0.33.0, which is CUDA only and cannot be imported here).
+What LeaseKit needs of vLLM is recorded per release in :mod:`leasekit.vllm.needs` (re-exported here:
+:data:`RELEASE_NEEDS`): for each vLLM class, the methods it overrides or calls with their parameter
+names (as :func:`inspect.signature` gives them), the instance attributes it reads, the methods vLLM
+must call with keywords only, words a method body must contain; the ``kv_transfer_params`` keys of
+vLLM's that LeaseKit reads or writes; the wire literals of the NIXL notifications and the handshake
+(``"HB:"``, ``","``, ``"{}:{}"``, ``b"get_meta_msg"``, ...); the names LeaseKit adds to vLLM's objects;
+and the log formats the stock-log parser reads (:mod:`leasekit.telemetry.vllm_log`). At import
+(:func:`check_installed`) signatures are read with :mod:`inspect` and the rest (all but the log
+formats) from the installed ``.py`` files with :mod:`ast` (:mod:`leasekit.vllm.vllmsrc`: attributes
+exist only after ``__init__``). The same records are checked statically against a release's source
+distribution (:func:`check_source`; tests/unit/test_vllm_033_static.py for 0.33.0, which is CUDA only
+and cannot be imported here).
 
 No vLLM import at module level (``leasekit.vllm`` must import without vLLM).
 """
-
 from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
-from types import MappingProxyType
 
 from leasekit.lease.releases import INSTALL_COMMANDS, SUPPORTED_VLLM_RELEASES, release_of
+from leasekit.vllm.needs import LEASEKIT_PREFIXES, NIXL, RELEASE_NEEDS, ClassNeeds, ReleaseNeeds, WireNeeds
 from leasekit.vllm.vllmsrc import SourceIndex, index_modules, param_names, read_modules
 
-__all__ = ["ALLOW_UNSUPPORTED_ENV", "ClassNeeds", "RELEASE_NEEDS", "ReleaseNeeds", "SUPPORTED_VLLM_RELEASES",
-           "UnsupportedVllmError", "check_hooks", "check_installed", "check_source", "check_vllm_release",
-           "needs_for", "signature_problems"]
+__all__ = ["ALLOW_UNSUPPORTED_ENV", "ClassNeeds", "NIXL", "RELEASE_NEEDS", "ReleaseNeeds", "SUPPORTED_VLLM_RELEASES",
+           "UnsupportedVllmError", "WireNeeds", "check_hooks", "check_installed", "check_source",
+           "check_vllm_release", "needs_for", "signature_problems"]
 
 ALLOW_UNSUPPORTED_ENV = "LEASEKIT_ALLOW_UNSUPPORTED_VLLM"
-
-NIXL = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
-"""vLLM's NIXL connector package (``vllm/distributed/kv_transfer/kv_connector/v1/nixl/``)."""
-
-
-@dataclass(frozen=True)
-class ClassNeeds:
-    """What LeaseKit needs of one vLLM class.
-
-    Attributes:
-        module: dotted module LeaseKit imports the class from; name: the class name.
-        methods: method name -> parameter names, as ``inspect.signature(getattr(cls, name))`` gives them
-            (``self`` kept, ``cls`` of a classmethod dropped; found on the class or a vLLM base).
-        attributes: attributes LeaseKit reads, set by the class or a base (``self.x = ...`` in a method,
-            a class-level field).
-        keyword_calls: methods the class must call on ``self`` only with keyword arguments (LeaseKit's
-            override reads them from ``kwargs``).
-        writes: method -> names its body must contain (keys of a ``dict(...)`` it returns, attributes it uses).
-    """
-
-    module: str
-    name: str
-    methods: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
-    attributes: tuple[str, ...] = ()
-    keyword_calls: tuple[str, ...] = ()
-    writes: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class ReleaseNeeds:
-    """Everything LeaseKit needs of one vLLM release.
-
-    Attributes:
-        release: e.g. ``"0.33.0"``; classes: the :class:`ClassNeeds`.
-        source_modules: the modules whose source the attribute checks read (the classes' own and bases').
-        log_formats: module -> log format strings (first argument of a logger call) that
-            :mod:`leasekit.telemetry.vllm_log` parses; checked statically, not at import.
-    """
-
-    release: str
-    classes: tuple[ClassNeeds, ...]
-    source_modules: tuple[str, ...]
-    log_formats: Mapping[str, tuple[str, ...]]
-
-
-_SELF = ("self",)
-_WORKER_INIT = ("self", "vllm_config", "engine_id", "kv_cache_config")
-_PROM_INIT = ("vllm_config", "metric_types", "labelnames", "per_engine_labelvalues")
-
-# Read from vllm 0.32.0 (installed, by import) and vllm 0.33.0 (sdist, by ast): identical for every
-# entry below. Sources: nixl/pull_worker.py, base_worker.py, pull_scheduler.py, base_scheduler.py,
-# connector.py, stats.py, metadata.py, tp_mapping.py and kv_connector/v1/metrics.py.
-_CLASSES_032 = (
-    ClassNeeds(f"{NIXL}.pull_worker", "NixlPullConnectorWorker", methods={
-        "__init__": _WORKER_INIT, "start_load_kv": ("self", "metadata"), "get_transfer_results": _SELF,
-        "_get_new_notifs": _SELF, "_handle_heartbeat": ("self", "payload"),
-        "_reap_expired_send_leases": ("self", "done_sending"), "_send_heartbeats": ("self", "metadata"),
-        "shutdown": _SELF, "_read_blocks": (
-            "self", "read_spec", "dst_engine_id", "request_id", "remote_request_id", "local_xfer_side_handle",
-            "local_dram_handle", "remote_xfer_side_handle", "expected_consumers", "awaiting_kvs"),
-        "_pop_done_transfers": ("self", "transfers"), "_send_pending_recv_notifs": ("self", "req_id"),
-        "get_kv_connector_stats": _SELF,
-    }, attributes=(
-        "_reqs_to_send", "_reqs_to_process", "_lease_extension", "consumer_notification_counts_by_req",
-        "expected_consumer_notifications_by_req", "xfer_stats", "nixl_wrapper", "kv_transfer_config", "tp_rank",
-        "engine_id", "_recv_failures", "_recving_metadata", "_recving_transfers", "_remote_agents",
-        "kv_caches_base_addr", "_transfer_layer_region_indices", "block_len_per_layer", "block_stride_per_layer",
-        "device_type",
-    ), keyword_calls=("_read_blocks",),
-        # LeaseKit's reaper hands vLLM's the due leases by narrowing self._reqs_to_send for the call
-        # (leasekit/vllm/connector.py): the method must still reap from that map and do its accounting
-        writes={"_reap_expired_send_leases": ("_reqs_to_send", "_reqs_to_process", "record_kv_expired_req",
-                                              "consumer_notification_counts_by_req")}),
-    ClassNeeds(f"{NIXL}.pull_scheduler", "NixlPullConnectorScheduler", methods={
-        "__init__": _WORKER_INIT, "request_finished": ("self", "request", "block_ids"),
-        "build_connector_meta": ("self", "scheduler_output"), "on_new_request": ("self", "request"),
-        "_stop_heartbeat": ("self", "req_id"), "set_xfer_handshake_metadata": ("self", "metadata"),
-        # a staticmethod in vLLM; set_xfer_handshake_metadata starts the listener thread with these args
-        "_nixl_handshake_listener": ("encoded_data", "ready_event", "stop_event", "host", "port"),
-    }, attributes=("_heartbeat_req_engine", "_kv_lease_duration", "_reqs_need_send", "_nixl_handshake_listener_t"),
-        writes={"request_finished": ("do_remote_prefill", "remote_engine_id", "remote_host")}),
-    ClassNeeds(f"{NIXL}.connector", "NixlPullConnector", methods={
-        "__init__": ("self", "vllm_config", "role", "kv_cache_config"), "get_kv_connector_stats": _SELF,
-        "build_kv_connector_stats": ("data",), "build_prom_metrics": _PROM_INIT,
-    }),
-    ClassNeeds(f"{NIXL}.connector", "NixlBaseConnector",
-               methods={"__init__": ("self", "vllm_config", "role", "kv_cache_config")}),
-    ClassNeeds(f"{NIXL}.stats", "NixlKVConnectorStats", methods={
-        "reset": _SELF, "is_empty": _SELF, "aggregate": ("self", "other"),
-        "record_notification_after_expiry": _SELF,
-    }, attributes=("data",)),
-    ClassNeeds(f"{NIXL}.stats", "NixlPromMetrics", methods={
-        "__init__": ("self", *_PROM_INIT), "observe": ("self", "transfer_stats_data", "engine_idx"),
-    }, attributes=("_counter_cls", "_gauge_cls", "_histogram_cls", "per_engine_labelvalues")),
-    ClassNeeds(f"{NIXL}.metadata", "NixlConnectorMetadata",
-               attributes=("reqs_to_send", "heartbeat_by_engine", "scheduler_clock")),
-    ClassNeeds(f"{NIXL}.metadata", "ReqMeta", attributes=("remote", "local_block_ids")),
-    ClassNeeds(f"{NIXL}.metadata", "RemoteMeta", attributes=("request_id",)),
-    ClassNeeds(f"{NIXL}.tp_mapping", "ReadSpec", attributes=("remote_rank",)),
-)
-
-_SOURCE_MODULES = (*(f"{NIXL}.{m}" for m in ("base_worker", "pull_worker", "base_scheduler", "pull_scheduler",
-                                                 "connector", "metadata", "stats", "tp_mapping")),
-                   "vllm.distributed.kv_transfer.kv_connector.v1.metrics")
-
-_LOG_FORMATS_032 = MappingProxyType({
-    f"{NIXL}.pull_scheduler": ("NIXLConnector request_finished(%s) waiting for %d seconds before releasing blocks",),
-    f"{NIXL}.base_worker": (
-        "Heartbeat extended lease for request %s by %ds (old_expiry=%.1f, new_expiry=%.1f)",
-        "Releasing expired KV blocks for request %s which were retrieved by %d remote worker(s) before lease expired.",
-        "Initializing NIXL worker %s"),
-    f"{NIXL}.pull_worker": ("Potentially invalid KV blocks for unrecognized request %s were retrieved by a decode "
-                            "worker. They may have expired.",),
-    f"{NIXL}.base_scheduler": ("Initializing NIXL Scheduler %s",),
-    "vllm.v1.core.sched.scheduler": ("Finished sending KV transfer for request %s",),
-})
-
-RELEASE_NEEDS: Mapping[str, ReleaseNeeds] = MappingProxyType({
-    "0.32.0": ReleaseNeeds("0.32.0", _CLASSES_032, _SOURCE_MODULES, _LOG_FORMATS_032),
-    # 0.33.0 changed none of these (its NIXL changes LeaseKit does not touch: docs/chaos.md, "Supported
-    # vLLM releases"); recorded separately so that a later release can differ.
-    "0.33.0": ReleaseNeeds("0.33.0", _CLASSES_032, _SOURCE_MODULES, _LOG_FORMATS_032),
-})
-"""What LeaseKit needs of each release of :data:`SUPPORTED_VLLM_RELEASES`."""
 
 
 class UnsupportedVllmError(RuntimeError):
@@ -241,7 +117,11 @@ def check_source(index: SourceIndex, needs: ReleaseNeeds, *, methods: bool = Tru
         logs: check the log formats too.
 
     Returns:
-        One ``"Class.member: ..."`` (or ``"module: ..."``) line per problem; empty when all is there.
+        One ``"Class.member: ..."`` (or ``"module: ..."``, ``"wire name: ..."``, ``"kv_transfer_params
+        key: ..."``) line per problem; empty when all is there. Checked: each class's methods,
+        attributes, keyword-only calls and writes; each wire literal and ``kv_transfer_params`` key at
+        its sites; that no indexed vLLM class uses a name of ``needs.leasekit_keys`` or one with a prefix
+        of :data:`~leasekit.vllm.needs.LEASEKIT_PREFIXES`; with ``logs``, the log formats.
     """
     problems: list[str] = []
     for cls in needs.classes:
@@ -269,6 +149,15 @@ def check_source(index: SourceIndex, needs: ReleaseNeeds, *, methods: bool = Tru
         for method, words in cls.writes.items():
             body = next((c.method_words[method] for c in own if method in c.method_words), frozenset())
             problems += [f"{cls.name}.{method}: no longer writes {w!r}" for w in words if w not in body]
+    for name, wire in needs.wire.items():
+        problems += [f"wire {name} ({wire.value!r}): {p}" for p in _wire_problems(index, wire)]
+    for key, sites in needs.kv_params.items():
+        for site in sites:
+            words = _site_body(index, site, words=True)
+            if isinstance(words, str) or key not in words:
+                problems.append(f"kv_transfer_params key {key!r}: {words if isinstance(words, str) else 'unused'} "
+                                f"in {site}")
+    problems += _leasekit_name_problems(index, needs.leasekit_keys)
     if logs:
         for module, formats in needs.log_formats.items():
             have_logs = index.log_formats.get(module)
@@ -279,10 +168,56 @@ def check_source(index: SourceIndex, needs: ReleaseNeeds, *, methods: bool = Tru
     return problems
 
 
+def _site_body(index: SourceIndex, site: str, *, words: bool) -> frozenset[str] | str:
+    """The literal forms (or, with ``words``, the method words) of site ``"module:Class.method"``,
+    found on the class or an indexed base; a problem text when the class or method is not there."""
+    module, _, qualname = site.rpartition(":")
+    cls, _, method = qualname.partition(".")
+    try:
+        chain = index.mro(cls, module)
+    except KeyError as exc:
+        return f"class not indexed ({exc.args[0]})"
+    for c in chain:
+        if method in c.methods:
+            return (c.method_words if words else c.method_literals).get(method, frozenset())
+    return "method missing"
+
+
+def _wire_problems(index: SourceIndex, wire: WireNeeds) -> list[str]:
+    problems = []
+    for site, forms in wire.sites.items():
+        module, _, qualname = site.rpartition(":")
+        if "." not in qualname:  # a module-level constant
+            found = index.constants.get(module, {}).get(qualname, "<absent>")
+            if found != wire.value:
+                problems.append(f"{site} is {found!r}, expected {wire.value!r}")
+            continue
+        body = _site_body(index, site, words=False)
+        if isinstance(body, str):
+            problems.append(f"{site}: {body}")
+        else:
+            problems += [f"{site} no longer contains {f}" for f in forms if f not in body]
+    return problems
+
+
+def _leasekit_name_problems(index: SourceIndex, keys: tuple[str, ...]) -> list[str]:
+    """vLLM classes that use one of LeaseKit's names (``keys``, or a :data:`LEASEKIT_PREFIXES` prefix)."""
+    problems = []
+    for defs in index.classes.values():
+        for c in defs:
+            used = set(c.attributes) | set(c.methods)
+            for words in c.method_words.values():
+                used |= words
+            clash = sorted(n for n in used if n in keys or n.startswith(LEASEKIT_PREFIXES))
+            problems += [f"{c.name} ({c.module}) uses LeaseKit's name {n!r}" for n in clash]
+    return problems
+
+
 def check_installed(version: str, *, source_root: Path | None = None) -> None:
     """The import-time guard: the installed vLLM has every hook with its recorded signature
-    (:mod:`inspect`) and every attribute, keyword-only call and ``kv_transfer_params`` key
-    (:mod:`ast` over its ``.py`` files) that :func:`needs_for` ``(version)`` records.
+    (:mod:`inspect`) and every attribute, keyword-only call, write, wire literal and
+    ``kv_transfer_params`` key, and uses none of LeaseKit's names (:mod:`ast` over its ``.py`` files),
+    that :func:`needs_for` ``(version)`` records.
 
     Args:
         version: ``vllm.__version__``.

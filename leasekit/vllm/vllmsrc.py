@@ -1,8 +1,8 @@
 """Reading vLLM's source without importing it: classes, method signatures, instance attributes,
-log formats.
+log formats, literals (wire bytes) and module constants.
 
 LeaseKitConnector overrides private methods of vLLM's NixlConnector and reads its private
-attributes (:mod:`leasekit.vllm.version` lists them per release). Instance attributes only exist
+attributes (:mod:`leasekit.vllm.needs` lists them per release). Instance attributes only exist
 after ``__init__`` runs, and a release built for CUDA cannot be imported on a CPU machine, so both
 the import-time guard (on the installed vLLM's ``.py`` files) and the static test of a release's
 source distribution read the code with :mod:`ast` instead.
@@ -13,7 +13,12 @@ Conventions (so that the two readers agree with :func:`inspect.signature`):
   included for a plain method, ``cls`` left out of a ``classmethod``, none added for a
   ``staticmethod``; ``*args`` and ``**kwargs`` keep their stars (:func:`param_names`);
 - an attribute is any ``self.<name> = ...`` (also annotated, augmented or tuple targets) in any
-  method of the class, a class-level assignment or annotation (dataclass fields), or a property.
+  method of the class, a class-level assignment or annotation (dataclass fields), or a property;
+- a method's literals (:func:`literal_forms`) are written as Python source writes them: a constant
+  as its ``repr`` (``'HB:'``, ``b'get_meta_msg'``, ``1``), an f-string as ``f'...'`` with ``{}`` for
+  each field (``f'{}:{}'``), a call with only constant arguments as ``.name(args)``
+  (``.rsplit(':', 1)``, ``.encode()``), a method of a string constant as ``','.join``, a slice
+  with constant bounds as ``[3:]``.
 
 No vLLM import here; pure functions over source text.
 """
@@ -44,6 +49,8 @@ class ClassSource:
         self_calls: names of every ``self.<name>(...)`` call.
         method_words: method name -> every string constant, call keyword name and attribute name in its
             body (keys it writes with ``dict(key=...)`` or ``{"key": ...}``, the attributes it uses).
+        method_literals: method name -> the :func:`literal_forms` of its body (what the notification
+            bytes it sends or parses are made of).
     """
 
     name: str
@@ -54,6 +61,7 @@ class ClassSource:
     positional_calls: frozenset[str]
     self_calls: frozenset[str]
     method_words: Mapping[str, frozenset[str]]
+    method_literals: Mapping[str, frozenset[str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -63,10 +71,13 @@ class SourceIndex:
     Attributes:
         classes: class name -> every definition of that name (one per module that defines it).
         log_formats: dotted module name -> first arguments (string constants) of its logger calls.
+        constants: dotted module name -> {name: value} of its module-level assignments of a literal
+            (``GET_META_MSG = b"get_meta_msg"``; :func:`ast.literal_eval`).
     """
 
     classes: dict[str, list[ClassSource]] = field(default_factory=dict)
     log_formats: dict[str, frozenset[str]] = field(default_factory=dict)
+    constants: dict[str, dict[str, object]] = field(default_factory=dict)
 
     def get(self, name: str, module: str | None = None) -> ClassSource:
         """The class ``name`` (defined in ``module`` when given, else the only definition).
@@ -101,6 +112,13 @@ class SourceIndex:
         for c in self.mro(cls, module):
             if name in c.methods:
                 return c.name, c.methods[name]
+        return None
+
+    def literals(self, cls: str, name: str, module: str | None = None) -> tuple[str, frozenset[str]] | None:
+        """``(defining class, literal forms)`` of method ``cls.name`` through the indexed bases, or None."""
+        for c in self.mro(cls, module):
+            if name in c.methods:
+                return c.name, c.method_literals.get(name, frozenset())
         return None
 
     def attributes(self, cls: str, module: str | None = None) -> frozenset[str]:
@@ -155,12 +173,47 @@ def _self_targets(node: ast.AST) -> Iterable[str]:
         yield from _self_targets(node.value)
 
 
+def _constant_form(node: ast.AST) -> str | None:
+    if isinstance(node, ast.Constant) and isinstance(node.value, (str, bytes, int)) and not isinstance(
+            node.value, bool):
+        return repr(node.value)
+    return None
+
+
+def literal_forms(tree: ast.AST) -> frozenset[str]:
+    """The literals of ``tree`` as source writes them (see the module docstring): constants, f-string
+    templates, calls with constant arguments, string-constant methods and constant slices.
+
+    (``msg.rsplit(":", 1)`` gives ``"':'"``, ``'1'`` and ``".rsplit(':', 1)"``.)
+    """
+    forms: set[str] = set()
+    for node in ast.walk(tree):
+        const = _constant_form(node)
+        if const is not None:
+            forms.add(const)
+        elif isinstance(node, ast.JoinedStr):
+            template = "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values)
+            forms.add("f" + repr(template))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and not node.keywords:
+            args = [_constant_form(a) for a in node.args]
+            if all(a is not None for a in args):
+                forms.add(f".{node.func.attr}({', '.join(args)})")
+        elif isinstance(node, ast.Attribute) and _constant_form(node.value) is not None:
+            forms.add(f"{_constant_form(node.value)}.{node.attr}")
+        elif isinstance(node, ast.Slice) and node.step is None:
+            bounds = [("" if b is None else _constant_form(b)) for b in (node.lower, node.upper)]
+            if all(b is not None for b in bounds):
+                forms.add(f"[{bounds[0]}:{bounds[1]}]")
+    return frozenset(forms)
+
+
 def _class_source(node: ast.ClassDef, module: str) -> ClassSource:
     methods: dict[str, tuple[str, ...]] = {}
     attributes: set[str] = set()
     positional: set[str] = set()
     calls: set[str] = set()
     words: dict[str, frozenset[str]] = {}
+    literals: dict[str, frozenset[str]] = {}
     for item in node.body:
         if isinstance(item, (ast.Assign, ast.AnnAssign)):
             for target in (item.targets if isinstance(item, ast.Assign) else [item.target]):
@@ -189,9 +242,10 @@ def _class_source(node: ast.ClassDef, module: str) -> ClassSource:
             if isinstance(sub, ast.Attribute):
                 found.add(sub.attr)  # self._reqs_to_send, self.xfer_stats.record_kv_expired_req, ...
         words[item.name] = frozenset(found)
+        literals[item.name] = literal_forms(item)
     bases = tuple(b.attr if isinstance(b, ast.Attribute) else getattr(b, "id", "") for b in node.bases)
     return ClassSource(node.name, module, tuple(b for b in bases if b), methods, frozenset(attributes),
-                       frozenset(positional), frozenset(calls), words)
+                       frozenset(positional), frozenset(calls), words, literals)
 
 
 def _log_formats(tree: ast.AST) -> frozenset[str]:
@@ -203,8 +257,20 @@ def _log_formats(tree: ast.AST) -> frozenset[str]:
     return frozenset(formats)
 
 
+def _module_constants(tree: ast.Module) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) for t in node.targets):
+            try:
+                value = ast.literal_eval(node.value)
+            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+                continue
+            out.update((t.id, value) for t in node.targets)
+    return out
+
+
 def index_modules(sources: Mapping[str, str]) -> SourceIndex:
-    """Index the top-level classes and log formats of ``{dotted module name: source text}``.
+    """Index the top-level classes, log formats and literal constants of ``{dotted module name: source text}``.
 
     Raises:
         SyntaxError: a source does not parse (names the module).
@@ -219,6 +285,7 @@ def index_modules(sources: Mapping[str, str]) -> SourceIndex:
             if isinstance(node, ast.ClassDef):
                 index.classes.setdefault(node.name, []).append(_class_source(node, module))
         index.log_formats[module] = _log_formats(tree)
+        index.constants[module] = _module_constants(tree)
     return index
 
 

@@ -60,10 +60,9 @@ class LeaseKitP(R.VllmP):
     @contextlib.contextmanager
     def clocks(self):
         import leasekit.vllm.connector as connector
-        import leasekit.vllm.prefill.notifications as notifs
-        import leasekit.vllm.prefill.pledges as pholds
+        import leasekit.vllm.prefill.hooks as phooks  # P's components read no clock: the hooks pass ``now``
 
-        saved = [(m, m.time) for m in (connector, notifs, pholds)]
+        saved = [(m, m.time) for m in (connector, phooks)]
         try:
             for module, real in saved:
                 module.time = R._TimeProxy(real, self.clock)
@@ -110,13 +109,13 @@ def test_leasekit_worker_reaps_and_extends_as_vllm_does(v, model_dir, tmp_path, 
             assert got.live == want.live, f"live leases / deadlines differ at {where}"
             assert got.released == want.released, f"released sets differ at {where}"
             assert got.expired == want.expired, f"reaped sets differ at {where}"
-            assert len(lk.worker._lk_leases) == len(lk.worker._reqs_to_send), where  # the heap indexes them all
+            assert len(lk.worker._lk_p.leases) == len(lk.worker._reqs_to_send), where  # the heap indexes them all
             seen["released"] += len(want.released)
             seen["expired"] += len(want.expired)
             seen["on_the_instant"] += sum(before.get(r) == step.t for r in want.expired)
             seen["extended"] += sum(r in before and d > before[r] for r, d in want.live.items())
             before = want.live
-        assert lk.worker._reqs_to_send == {} and len(lk.worker._lk_leases) == 0
+        assert lk.worker._reqs_to_send == {} and len(lk.worker._lk_p.leases) == 0
         assert stock.counters()["expired"] == len(lk.worker.xfer_stats.data["num_kv_expired_reqs"])
     assert all(n >= 5 for n in seen.values()), seen
 
@@ -135,7 +134,7 @@ def test_a_lease_added_behind_the_heaps_back_is_still_reaped(v, model_dir, tmp_p
     assert lk.step(R.PStep(102.75)).expired == frozenset()
     assert lk.step(R.PStep(103.0)).expired == frozenset({"X"})
     assert lk.step(R.PStep(104.0)).expired == frozenset({"A"})
-    assert w._reqs_to_send == {} and len(w._lk_leases) == 0
+    assert w._reqs_to_send == {} and len(w._lk_p.leases) == 0
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -149,8 +148,8 @@ def test_multi_agent_scripts_keep_the_heap_equal_to_vllms_lease_map(v, model_dir
     for i, step in enumerate(script):
         lk.step(step)
         w, where = lk.worker, f"seed={seed} step={i} t={step.t}"
-        assert {r: w._lk_leases.get(r).deadline_s for r in w._reqs_to_send} == w._reqs_to_send, where
-        assert len(w._lk_leases) == len(w._reqs_to_send), where
+        assert {r: w._lk_p.leases.get(r).deadline_s for r in w._reqs_to_send} == w._reqs_to_send, where
+        assert len(w._lk_p.leases) == len(w._reqs_to_send), where
         assert all(d > step.t for d in w._reqs_to_send.values()), where
     assert lk.worker._reqs_to_send == {}
 

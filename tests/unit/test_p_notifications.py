@@ -1,8 +1,8 @@
-"""P's notification handling (leasekit.vllm.prefill.notifications) over a stand-in of vLLM's worker state: the
+"""P's notification components (leasekit.vllm.prefill) over a standalone vLLM lease state: the
 three payloads that crash stock P, binding, duplicates, late reads and the max-hold cap."""
 
+import logging
 import time
-from collections import defaultdict
 
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
@@ -13,56 +13,51 @@ from leasekit.lease import LeaseTiming
 from leasekit.telemetry import semconv as sc
 from leasekit.telemetry.lease_spans import LeaseSpanRecorder
 from leasekit.lease.settings import NotificationConfigError, notification_settings
-from leasekit.vllm.prefill.notifications import PNotificationHandling
+from leasekit.vllm.prefill.hooks import build_prefill
+from leasekit.vllm.prefill.vllmstate import VllmSendState
 from leasekit.vllm.stats import DROPS, LeaseKitKVConnectorStats, LeaseStatsObserver
+from leasekit.vllm.taps import TelemetryErrors
 
 L = 6
 TIMING = LeaseTiming.from_lease_duration(L)
 
 
-class Wrapper:
-    def __init__(self):
-        self.batches: list[dict] = []
+class Worker:
+    """P's notification components over a standalone vLLM lease state (no vLLM worker): what LeaseKit's P
+    worker builds (``build_prefill``), with ``step`` playing ``_get_new_notifs``."""
 
-    def get_new_notifs(self):
-        return self.batches.pop(0) if self.batches else {}
-
-
-class Stats:
-    def __init__(self):
-        self.after_expiry = 0
-
-    def record_notification_after_expiry(self):
-        self.after_expiry += 1
-
-
-class Worker(PNotificationHandling):
-    """The vLLM worker attributes PNotificationHandling reads, nothing else."""
-
-    def __init__(self, max_hold_s=480.0, max_bytes=1 << 20, fail_closed=True):
-        self._reqs_to_send: dict[str, float] = {}
-        self._reqs_to_process: set[str] = set()
-        self._lease_extension = TIMING.extension_s
-        self.consumer_notification_counts_by_req = defaultdict(int)
-        self.expected_consumer_notifications_by_req = {}
-        self.xfer_stats = Stats()
-        self.nixl_wrapper = Wrapper()
+    def __init__(self, max_hold_s=480.0, max_bytes=1 << 20, fail_closed=True, agent="p0"):
+        self.state = VllmSendState.standalone(TIMING.extension_s)
+        self.vllm_stats = self.state._worker.xfer_stats
         self.exporter = InMemorySpanExporter()
         provider = TracerProvider()
         provider.add_span_processor(SimpleSpanProcessor(self.exporter))
-        self._lk = LeaseSpanRecorder(provider.get_tracer("t"), engine_id="p", tp_rank=0, timing=TIMING)
+        self.recorder = LeaseSpanRecorder(provider.get_tracer("t"), engine_id="p", tp_rank=0, timing=TIMING)
         self.stats = LeaseKitKVConnectorStats()
-        self._lk_stats = LeaseStatsObserver(self.stats, 0)
-        self._lk_init_notifications(max_hold_s, max_bytes, fail_closed=fail_closed)
+        observer = LeaseStatsObserver(self.stats, 0)
+        p = build_prefill(self.state, timing=TIMING, max_hold_s=max_hold_s, max_bytes=max_bytes, recorder=self.recorder,
+                          stats=observer, errors=TelemetryErrors(logging.getLogger("t")), own_agent=agent,
+                          fail_closed=fail_closed, pledge_s=0.0, clock_id=None)
+        self.keeping, self.leases, self.pledges, self.replies, self.intake = p.keeping, p.leases, p.pledges, p.replies, p.intake
+
+    @property
+    def send(self):
+        """vLLM's ``_reqs_to_send`` of this stand-in."""
+        return self.state.reqs_to_send
+
+    @property
+    def process(self):
+        """vLLM's ``_reqs_to_process`` of this stand-in."""
+        return self.state.reqs_to_process
 
     def grant(self, req_id, now):
-        self._reqs_to_process.add(req_id)
-        self._reqs_to_send[req_id] = now + L
-        self._lk.grant(req_id, now + L, now=now)
+        self.process.add(req_id)
+        self.send[req_id] = now + L
+        self.leases.index([req_id], now)
+        self.recorder.grant(req_id, now + L, now=now)
 
     def step(self, batch):
-        self.nixl_wrapper.batches.append(batch)
-        return self._get_new_notifs()
+        return self.intake.drain(batch, time.perf_counter())
 
     def drops(self):
         return {reason: n for _, reason, n in self.stats.data.get(DROPS, [])}
@@ -80,7 +75,7 @@ def test_payloads_that_crash_stock_p_are_dropped_and_the_batch_goes_on(payload, 
     done = w.step({"d0": [payload, b"live:1"]})
     assert done == {"live"}, "the well-formed completion after the bad message must still be handled"
     assert w.drops() == {reason: 1}
-    assert "live" not in w._reqs_to_send
+    assert "live" not in w.send
 
 
 def test_oversized_notification_is_dropped_before_decoding():
@@ -94,11 +89,11 @@ def test_heartbeat_binds_and_foreign_heartbeats_do_not_extend():
     w = Worker()
     w.grant("r", 0.0)
     w.step({"d0": [b"HB:r"]})
-    deadline = w._reqs_to_send["r"]
+    deadline = w.send["r"]
     assert deadline > L - 0.5  # extended from the grant's deadline to now + E (clock is perf_counter)
-    w._reqs_to_send["r"] = 1.0
+    w.send["r"] = 1.0
     w.step({"forger": [b"HB:r"]})
-    assert w._reqs_to_send["r"] == 1.0
+    assert w.send["r"] == 1.0
     assert w.drops() == {"foreign_heartbeat": 1}
 
 
@@ -107,7 +102,7 @@ def test_forged_completion_is_dropped_and_the_real_one_releases():
     w.grant("r", 0.0)
     w.step({"d0": [b"HB:r"]})
     assert w.step({"forger": [b"r:1"]}) == set()
-    assert "r" in w._reqs_to_send
+    assert "r" in w.send
     assert w.step({"d0": [b"r:1"]}) == {"r"}
     assert w.drops() == {"foreign_completion": 1}
     (span,) = w.exporter.get_finished_spans()
@@ -128,7 +123,7 @@ def test_unknown_and_late_completions():
     w.step({"d0": [b"r:1"]})
     w.step({"d0": [b"r:1", b"never-held:1"]})
     assert w.drops() == {"unknown_id": 1}
-    assert w.xfer_stats.after_expiry == 1  # the late read, counted as vLLM does
+    assert w.vllm_stats.after_expiry == 1  # the late read, counted as vLLM does
     names = [s.name for s in w.exporter.get_finished_spans()]
     assert sc.LATE_READ_SPAN_NAME in names
 
@@ -137,19 +132,19 @@ def test_heartbeats_never_extend_past_max_hold():
     w = Worker(max_hold_s=10.0)
     w.grant("r", time.perf_counter() - 9.0)  # granted 9 s ago: cap = grant + 10, now + E = grant + 13
     w.grant("young", time.perf_counter())
-    grant = w._lk.grant_time("r")
+    grant = w.recorder.grant_time("r")
     w.step({"d0": [b"HB:r,young"]})
-    assert w._reqs_to_send["r"] == pytest.approx(grant + 10.0)
-    assert w._lk_expiry_cause("r") == "max_hold"
-    assert w._reqs_to_send["young"] < w._lk.grant_time("young") + 10.0
-    assert w._lk_expiry_cause("young") is None
+    assert w.send["r"] == pytest.approx(grant + 10.0)
+    assert w.intake.expiry_cause("r") == "max_hold"
+    assert w.send["young"] < w.recorder.grant_time("young") + 10.0
+    assert w.intake.expiry_cause("young") is None
 
 
 def test_internal_error_drops_one_message_not_the_engine(monkeypatch):
     w = Worker()
     w.grant("r", 0.0)
     w.grant("s", 0.0)
-    real = w._lk_completion
+    real = w.intake.completion
     calls = []
 
     def flaky(agent, message, now, done):
@@ -158,7 +153,7 @@ def test_internal_error_drops_one_message_not_the_engine(monkeypatch):
             raise RuntimeError("bug")
         real(agent, message, now, done)
 
-    monkeypatch.setattr(w, "_lk_completion", flaky)
+    monkeypatch.setattr(w.intake, "completion", flaky)
     assert w.step({"d0": [b"r:1", b"s:1"]}) == {"s"}
     assert w.drops() == {"internal_error": 1}
 

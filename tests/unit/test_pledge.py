@@ -3,6 +3,7 @@ gate uses a pledge only when the bound proves it held, and P holds a pledged lea
 completion (leasekit/vllm/prefill/pledges.py over the stand-in worker of test_p_notifications)."""
 
 import math
+import time
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -173,7 +174,7 @@ def test_ack_horizon_is_named_as_the_proof():
 def _pledged_worker(pledge_end):
     w = Worker()
     w.grant("r", 0.0)
-    w._lk_pledge_holds["r"] = pledge_end
+    w.pledges.holds["r"] = pledge_end
     return w
 
 
@@ -184,11 +185,11 @@ def test_p_holds_the_blocks_of_an_early_completion_until_the_pledge_ends():
     w = _pledged_worker(now + 0.3)
     w.step({"d0": [b"HB:r"]})
     assert w.step({"d0": [b"r:1"]}) == set()  # completed, but the pledge holds
-    assert "r" not in w._reqs_to_send and "r" in w._lk_deferred
+    assert "r" not in w.send and "r" in w.pledges.deferred
     assert w.step({"d1": [b"r:1"]}) == set()  # a second D (a hedge) is answered live, dropped
     assert w.drops() == {"duplicate": 1}
     w.step({"d0": [b"HB:r"]})
-    assert "r" not in w._reqs_to_send, "a heartbeat must not revive a completed lease"
+    assert "r" not in w.send, "a heartbeat must not revive a completed lease"
     assert w.exporter.get_finished_spans() == ()
     time.sleep(max(0.0, now + 0.3 - time.perf_counter()) + 0.01)
     assert w.step({}) == {"r"}
@@ -202,15 +203,15 @@ def test_p_holds_the_blocks_of_an_early_completion_until_the_pledge_ends():
 def test_a_completion_after_the_pledge_releases_at_once():
     w = _pledged_worker(-1.0)
     assert w.step({"d0": [b"r:1"]}) == {"r"}
-    assert not w._lk_deferred and w.stats.data[PLEDGE_HOLDS] == []
+    assert not w.pledges.deferred and w.stats.data[PLEDGE_HOLDS] == []
 
 
 def test_acks_name_p_clock():
     w = Worker()
-    w._lk_clock_id = "c0ffee"  # whatever this machine's clock is
-    w._lk_protocol_agents["d0"] = None
+    w.replies.clock_id = "c0ffee"  # whatever this machine's clock is
+    w.replies.agents["d0"] = None
     sent = []
-    w._lk_outbox = type("Outbox", (), {"send": lambda self, agent, msg: sent.append(msg)})()
+    w.replies.outbox = type("Outbox", (), {"send": lambda self, agent, msg: sent.append(msg)})()
     w.grant("r", 0.0)
     w.step({"d0": [b"HB:r,LK1~5"]})
     (msg,) = sent
@@ -223,31 +224,31 @@ def test_a_completion_before_the_grant_reached_the_worker_is_held_until_the_gran
     from types import SimpleNamespace
 
     w = Worker()
-    w._lk_pledge_s = 0.3
-    w._reqs_to_process.add("r")  # scheduled for prefill; the grant's metadata not seen yet
+    w.keeping.pledge_s = 0.3
+    w.process.add("r")  # scheduled for prefill; the grant's metadata not seen yet
     assert w.step({"forger": [b"r:1"]}) == set()
-    assert "r" in w._lk_early and "r" in w._reqs_to_process, "nothing freed before the grant"
+    assert "r" in w.pledges.early and "r" in w.process, "nothing freed before the grant"
     assert w.step({"d0": [b"r:1"]}) == set() and w.drops() == {"duplicate": 1}
     time.sleep(0.35)
     assert w.step({}) == set(), "still not granted: still held"
-    w._reqs_to_send["r"] = time.perf_counter() + L  # vLLM's start_load_kv applied the grant
+    w.send["r"] = time.perf_counter() + L  # vLLM's start_load_kv applied the grant
     granted = time.perf_counter()
-    w._lk_take_pledges(SimpleNamespace(reqs_to_send={"r": 0.0}, leasekit_pledges={"r": granted + 0.1},
+    w.pledges.take(now=time.perf_counter(), metadata=SimpleNamespace(reqs_to_send={"r": 0.0}, leasekit_pledges={"r": granted + 0.1},
                                        scheduler_clock=None))
-    hold, _ = w._lk_deferred["r"]
-    assert hold >= granted + 0.3 * RATE_FACTOR and "r" not in w._reqs_to_send and "r" not in w._lk_early
+    hold, _ = w.pledges.deferred["r"]
+    assert hold >= granted + 0.3 * RATE_FACTOR and "r" not in w.send and "r" not in w.pledges.early
     time.sleep(max(0.0, hold - time.perf_counter()) + 0.01)
     assert w.step({}) == {"r"}
 
 
 def test_an_early_completion_of_a_request_p_aborts_is_forgotten():
     w = Worker()
-    w._lk_pledge_s = 0.3
-    w._reqs_to_process.add("r")
+    w.keeping.pledge_s = 0.3
+    w.process.add("r")
     w.step({"d0": [b"r:1"]})
-    w._reqs_to_process.discard("r")  # reqs_not_processed (vLLM's start_load_kv)
-    w._lk_sweep_pledges()
-    assert w._lk_early == {} and w.step({}) == set()
+    w.process.discard("r")  # reqs_not_processed (vLLM's start_load_kv)
+    w.pledges.sweep(time.perf_counter())
+    assert w.pledges.early == {} and w.step({}) == set()
 
 
 def test_a_failure_recording_pledges_holds_the_step_s_grants_for_the_whole_pledge():
@@ -255,12 +256,12 @@ def test_a_failure_recording_pledges_holds_the_step_s_grants_for_the_whole_pledg
     from types import SimpleNamespace
 
     w = Worker()
-    w._lk_pledge_s = 0.5
+    w.keeping.pledge_s = 0.5
     w.grant("r", time.perf_counter())
     before = time.perf_counter()
-    w._lk_take_pledges(SimpleNamespace(reqs_to_send={"r": 0.0}, leasekit_pledges={"r": "not a number"},
+    w.pledges.take(now=time.perf_counter(), metadata=SimpleNamespace(reqs_to_send={"r": 0.0}, leasekit_pledges={"r": "not a number"},
                                        scheduler_clock=1.0))
-    assert w._lk_pledge_holds["r"] >= before + 0.5 * RATE_FACTOR
+    assert w.pledges.holds["r"] >= before + 0.5 * RATE_FACTOR
 
 
 @pytest.mark.parametrize("until,same,low,high", [
@@ -274,26 +275,26 @@ def test_pledge_holds_on_the_worker(until, same, low, high):
     from types import SimpleNamespace
 
     w = Worker()
-    w._lk_pledge_s = 0.5
-    w._lk_clock_id = "c0ffee"
+    w.keeping.pledge_s = 0.5
+    w.pledges.clock_id = "c0ffee"
     w.grant("r", time.perf_counter())
     before = time.perf_counter()
-    w._lk_take_pledges(SimpleNamespace(reqs_to_send={"r": 0.0}, leasekit_pledges={"r": 10.0 + until},
+    w.pledges.take(now=time.perf_counter(), metadata=SimpleNamespace(reqs_to_send={"r": 0.0}, leasekit_pledges={"r": 10.0 + until},
                                        scheduler_clock=10.0, leasekit_pledge_clock="c0ffee" if same else "other"))
-    assert before + low <= w._lk_pledge_holds["r"] <= time.perf_counter() + high
+    assert before + low <= w.pledges.holds["r"] <= time.perf_counter() + high
 
 
 def test_the_id_reaches_vllm_even_when_release_telemetry_fails():
     w = Worker()
-    w._lk_deferred["r"] = (0.0, 0.0)
-    w._lk_stats = None  # pledge_hold() now raises
+    w.pledges.deferred["r"] = (0.0, 0.0)
+    w.pledges.stats = None  # pledge_hold() now raises
     assert w.step({}) == {"r"}
 
 
 def test_a_parked_completion_whose_grant_never_comes_is_forgotten_after_the_max_hold():
     w = Worker(max_hold_s=6.0)
-    w._reqs_to_process.add("r")
+    w.process.add("r")
     w.step({"d0": [b"r:1"]})
-    w._lk_early["r"] -= 7.0
-    w._lk_sweep_pledges()
-    assert w._lk_early == {} and "r" not in w.consumer_notification_counts_by_req
+    w.pledges.early["r"] -= 7.0
+    w.pledges.sweep(time.perf_counter())
+    assert w.pledges.early == {} and "r" not in w.state.consumer_counts

@@ -171,16 +171,6 @@ def test_timeout_must_be_positive():
         ReadGate(0)
 
 
-class NixlStandIn:
-    """P's NIXL wrapper: notification batches in, P's own agent name; no sends (P answers over ZMQ)."""
-
-    def __init__(self, name="p0"):
-        self.batches, self.name = [], name
-
-    def get_new_notifs(self):
-        return self.batches.pop(0) if self.batches else {}
-
-
 class DWorkerInbox:
     """A real D verdict inbox on loopback (leasekit/vllm/verdictchan.py): what P sends, as D gets it."""
 
@@ -215,9 +205,8 @@ def d0():
 
 
 def p_worker(fail_closed=True):
-    w = Worker(fail_closed=fail_closed)
-    w.nixl_wrapper = NixlStandIn("p0")
-    return w
+    """P's notification components, as P's NIXL agent ``p0`` (its name is on every verdict)."""
+    return Worker(fail_closed=fail_closed, agent="p0")
 
 
 def test_p_answers_each_completion_after_hello_live_ok_late_reaped(d0):
@@ -225,7 +214,7 @@ def test_p_answers_each_completion_after_hello_live_ok_late_reaped(d0):
     w.grant("live", 0.0)
     w.step({"d0": [d0.hello(), b"live:1", b"gone:1"]})
     assert d0.received(2) == [("p0", encode_verdict("live", True)), ("p0", encode_verdict("gone", False))]
-    w._lk_close_notifications()
+    w.replies.close()
 
 
 def test_p_without_fail_closed_ignores_hellos_and_never_notifies_d(d0):
@@ -233,34 +222,34 @@ def test_p_without_fail_closed_ignores_hellos_and_never_notifies_d(d0):
     w = p_worker(fail_closed=False)
     w.grant("live", 0.0)
     w.step({"d0": [d0.hello(), b"HB:live,LK1~5", b"live:1", b"gone:1"]})
-    assert d0.received() == [] and w._lk_outbox is None
-    assert w._lk_protocol_agents == {} and w._lk_pending_verdicts == {}
-    assert "live" not in w._reqs_to_send  # the completion still released the lease, as stock
+    assert d0.received() == [] and w.replies.outbox is None
+    assert w.replies.agents == {} and w.replies.pending == {}
+    assert "live" not in w.send  # the completion still released the lease, as stock
     assert w.drops() == {"unknown_id": 1}, "only gone:1 (never held); the hello is ignored, as stock"
 
 
 def test_p_closes_the_least_recently_answered_agent_at_the_cap(monkeypatch, d0):
-    import leasekit.vllm.prefill.notifications as notifs
+    import leasekit.vllm.prefill.replies as replies
 
-    monkeypatch.setattr(notifs, "MAX_PROTOCOL_AGENTS", 2)
+    monkeypatch.setattr(replies, "MAX_PROTOCOL_AGENTS", 2)
     w = p_worker()
     w.grant("r", 0.0)
     w.step({"a": [d0.hello()], "b": [d0.hello()]})
     w.step({"a": [b"gone:1"]})  # a answered most recently: b is now the least recently used
     w.step({"c": [d0.hello()]})
-    assert list(w._lk_protocol_agents) == ["a", "c"] and len(w._lk_outbox) == 2
-    assert w._lk_outbox.has("a") and not w._lk_outbox.has("b")
-    w._lk_close_notifications()
+    assert list(w.replies.agents) == ["a", "c"] and len(w.replies.outbox) == 2
+    assert w.replies.outbox.has("a") and not w.replies.outbox.has("b")
+    w.replies.close()
 
 
 def test_p_keeps_live_verdicts_until_the_hello_arrives(d0):
     w = p_worker()
     w.grant("r", 0.0)
     w.step({"d0": [b"r:1", b"gone:1"]})  # only the live lease's verdict is kept
-    assert w._lk_outbox is None
+    assert w.replies.outbox is None
     w.step({"d0": [d0.hello()]})
     assert d0.received(1) == [("p0", encode_verdict("r", True))]
-    w._lk_close_notifications()
+    w.replies.close()
 
 
 TOKEN = b" 0123456789abcdef"
@@ -275,7 +264,7 @@ def test_p_refuses_a_hello_that_names_no_tcp_endpoint_and_token(endpoint):
     w.grant("r", 0.0)
     w.step({"d0": [encode_hello(endpoint), b"r:1"]})
     assert w.drops() == {"bad_hello": 1}
-    assert w._lk_protocol_agents == {} and (w._lk_outbox is None or len(w._lk_outbox) == 0)
+    assert w.replies.agents == {} and (w.replies.outbox is None or len(w.replies.outbox) == 0)
 
 
 def test_a_later_hello_moves_the_agent_to_its_new_endpoint(d0):
@@ -290,7 +279,7 @@ def test_a_later_hello_moves_the_agent_to_its_new_endpoint(d0):
         assert other.received(1) == [("p0", encode_verdict("r", True))]
         w.step({"d0": [d0.hello(), b"s:1"]})
         assert d0.received(1) == [("p0", encode_verdict("s", True))] and other.received() == []
-        w._lk_close_notifications()
+        w.replies.close()
     finally:
         other.inbox.close()
 
@@ -298,10 +287,10 @@ def test_a_later_hello_moves_the_agent_to_its_new_endpoint(d0):
 def test_a_verdict_or_ack_as_a_nixl_notification_is_dropped():
     """Version 2 sends them over ZMQ only: one arriving over NIXL is a peer's mistake or a forgery."""
     w = p_worker()
-    w._lk_gate = gate()
-    assert w._lk_gate.hold("d1", now=0.0) == HOLD
+    w.grant("P1", 0.0)
     w.step({"p0": [encode_verdict("P1", False), encode_ack(1, 1.0, ["P1"])]})
-    assert w._lk_gate.resolve(now=0.0) == [] and w.drops() == {"bad_protocol": 2}
+    assert w.drops() == {"bad_protocol": 2}
+    assert "P1" in w.send and w.replies.agents == {}, "neither ended the lease nor made p0 a protocol agent"
 
 
 def test_fail_closed_accepts_a_discarded_read_only_with_matching_tokens():
@@ -376,12 +365,12 @@ def test_p_acknowledges_sequenced_heartbeats_of_protocol_agents_only(d0):
     w = p_worker()
     w.grant("r", time.perf_counter())  # the stand-in's clock is perf_counter, as vLLM's
     w.step({"d0": [b"HB:r,unknown,LK1~5"]})
-    assert w._lk_outbox is None  # no hello yet: nothing new on the wire
+    assert w.replies.outbox is None  # no hello yet: nothing new on the wire
     w.step({"d0": [d0.hello(), b"HB:r,unknown,LK1~6", b"HB:unknown,LK1~7", b"HB:r"]})
     acks = [decode_notification(msg) for agent, msg in d0.received(2)]
     assert [(a.seq, a.req_ids) for a in acks] == [(6, ("r",)), (7, ())]
     assert E - 0.1 < acks[0].remaining_s <= TIMING.lease_duration_s
-    w._lk_close_notifications()
+    w.replies.close()
 
 
 def test_fail_closed_is_on_by_default_and_a_bad_value_is_refused_with_the_fix():
@@ -413,4 +402,4 @@ def test_an_ack_naming_thousands_of_leases_is_cut_to_fit_d_inbox(d0):
     assert len(raw) <= MAX_MESSAGE_BYTES and 0 < len(ack.req_ids) < len(ids)
     assert ack.req_ids == tuple(ids[:len(ack.req_ids)]) and len(",".join(ack.req_ids)) <= MAX_ACK_BYTES
     assert verdict == ("p0", encode_verdict(ids[0], True))
-    w._lk_close_notifications()
+    w.replies.close()

@@ -1,6 +1,8 @@
-"""The vLLM release guard of LeaseKitConnector: supported releases, recorded signatures and
-attributes, and the import-time check against the installed vLLM (and mutated copies of its source)."""
+"""The vLLM release guard of LeaseKitConnector: supported releases, recorded signatures, attributes,
+wire literals and ``kv_transfer_params`` keys, and the import-time check against the installed vLLM
+(and mutated copies of its source)."""
 
+import ast
 import importlib.util
 import shutil
 from pathlib import Path
@@ -13,6 +15,7 @@ from leasekit.vllm.version import (
     RELEASE_NEEDS,
     ClassNeeds,
     UnsupportedVllmError,
+    WireNeeds,
     check_hooks,
     check_installed,
     check_source,
@@ -20,7 +23,14 @@ from leasekit.vllm.version import (
     needs_for,
     signature_problems,
 )
-from leasekit.vllm.vllmsrc import index_modules, module_constant, module_path, param_names, read_modules
+from leasekit.vllm.vllmsrc import (
+    index_modules,
+    literal_forms,
+    module_constant,
+    module_path,
+    param_names,
+    read_modules,
+)
 
 
 @pytest.mark.parametrize("version", ["0.32.0", "0.32.0+cpu", "0.33.0", "0.33.0+cu130"])
@@ -157,6 +167,61 @@ def test_check_source_reports_each_kind_of_difference():
     ]
 
 
+WIRE_SOURCE = '''
+TAG = b"get_meta_msg"
+
+
+class Sender:
+    def send(self, ids, rid, n):
+        self.out(("HB:" + ",".join(ids)).encode())
+        self.out(f"{rid}:{n}".encode())
+
+    def parse(self, notif, params):
+        msg = notif.decode("utf-8")
+        if msg.startswith("HB:") and params.get("do_remote_prefill"):
+            return msg[3:].split(",")
+        return dict(remote_host=1), msg.rsplit(":", 1)
+'''
+
+
+def test_literal_forms_write_constants_fstrings_calls_and_slices_as_source_does():
+    index = index_modules({"pkg.wire": WIRE_SOURCE})
+    assert index.constants["pkg.wire"] == {"TAG": b"get_meta_msg"}
+    send = index.get("Sender").method_literals["send"]
+    assert {"'HB:'", "','.join", ".encode()", "f'{}:{}'", "':'"} <= send
+    assert {".decode('utf-8')", ".startswith('HB:')", "[3:]", ".split(',')", ".rsplit(':', 1)"} <= (
+        index.literals("Sender", "parse")[1])
+    assert literal_forms(ast.parse("x[:2]")) == {"[:2]", "2"}
+
+
+def test_check_source_reports_wire_params_and_leasekit_name_problems():
+    needs = RELEASE_NEEDS["0.32.0"]
+    good = type(needs)("x", (), (), {}, wire={
+        "heartbeat_prefix": WireNeeds("HB:", {"pkg.wire:Sender.send": ("'HB:'", "','.join"),
+                                               "pkg.wire:Sender.parse": (".startswith('HB:')", "[3:]")}),
+        "handshake_tag": WireNeeds(b"get_meta_msg", {"pkg.wire:TAG": ()})},
+        kv_params={"do_remote_prefill": ("pkg.wire:Sender.parse",), "remote_host": ("pkg.wire:Sender.parse",)},
+        leasekit_keys=("leasekit_protocol",))
+    index = index_modules({"pkg.wire": WIRE_SOURCE})
+    assert check_source(index, good) == []
+    bad = type(needs)("x", (), (), {}, wire={
+        "heartbeat_prefix": WireNeeds("HB2:", {"pkg.wire:Sender.send": ("'HB2:'",), "pkg.wire:Sender.gone": ("x",),
+                                                "pkg.wire:Nope.send": ("x",)}),
+        "handshake_tag": WireNeeds(b"meta", {"pkg.wire:TAG": ()})},
+        kv_params={"remote_port": ("pkg.wire:Sender.parse",)}, leasekit_keys=("remote_host",))
+    assert check_source(index, bad) == [
+        "wire heartbeat_prefix ('HB2:'): pkg.wire:Sender.send no longer contains 'HB2:'",
+        "wire heartbeat_prefix ('HB2:'): pkg.wire:Sender.gone: method missing",
+        "wire heartbeat_prefix ('HB2:'): pkg.wire:Nope.send: class not indexed (class Nope in pkg.wire: 0 definitions "
+        "in the indexed vLLM source)",
+        "wire handshake_tag (b'meta'): pkg.wire:TAG is b'get_meta_msg', expected b'meta'",
+        "kv_transfer_params key 'remote_port': unused in pkg.wire:Sender.parse",
+        "Sender (pkg.wire) uses LeaseKit's name 'remote_host'",
+    ]
+    clash = index_modules({"pkg.m": "class C:\n    def f(self):\n        self._lk_state = 1\n"})
+    assert check_source(clash, type(needs)("x", (), (), {})) == ["C (pkg.m) uses LeaseKit's name '_lk_state'"]
+
+
 def test_module_constant_reads_plain_annotated_and_chained_assignments():
     text = "A: int = 14\nB = C = '0.33.0'\nD, E = 1, 2\nF: str\n"
     assert module_constant(text, "A") == 14 and module_constant(text, "C") == "0.33.0"
@@ -204,8 +269,9 @@ def _copy_sources(vllm_root: Path, dest: Path, modules) -> None:
 
 
 def test_import_guard_refuses_changed_source(vllm_root, tmp_path):
-    """A copy of the installed modules where vLLM passes _read_blocks' first argument positionally and
-    no longer sets _lease_extension: check_installed names both (signatures still come from inspect)."""
+    """A copy of the installed modules where vLLM passes _read_blocks' first argument positionally, no
+    longer sets _lease_extension and sends heartbeats as ``HB|a;b``: check_installed names all three
+    (signatures still come from inspect)."""
     import vllm
 
     needs = needs_for(vllm.__version__)
@@ -219,9 +285,14 @@ def test_import_guard_refuses_changed_source(vllm_root, tmp_path):
     text = base.read_text()
     assert "self._lease_extension =" in text
     base.write_text(text.replace("self._lease_extension =", "self._lease_extension_s ="))
+    text = base.read_text()
+    assert text.count('("HB:" + ",".join(hb_info.req_ids)).encode()') == 1
+    base.write_text(text.replace('("HB:" + ",".join(hb_info.req_ids))', '("HB|" + ";".join(hb_info.req_ids))'))
     with pytest.raises(UnsupportedVllmError) as info:
         check_installed(vllm.__version__, source_root=tmp_path)
     message = str(info.value)
+    assert "wire heartbeat_prefix ('HB:'): " in message and "_send_heartbeats no longer contains 'HB:'" in message
+    assert "_send_heartbeats no longer contains ','.join" in message
     assert "NixlPullConnectorWorker._lease_extension: attribute never set" in message
     assert "calls self._read_blocks(...) with positional arguments" in message
     assert "Fix: install a supported release" in message

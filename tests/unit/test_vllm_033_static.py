@@ -1,7 +1,8 @@
 """vLLM 0.33.0, checked statically: every hook, signature, attribute, keyword-only call,
-``kv_transfer_params`` key and log format that :mod:`leasekit.vllm.version` records for 0.33.0 is in
-its source distribution, read with :mod:`ast` (0.33.0 is CUDA only on PyPI: it cannot be imported on
-this CPU machine).
+``kv_transfer_params`` key, wire literal (heartbeat prefix and separator, completion format,
+handshake tag) and log format that :mod:`leasekit.vllm.needs` records for 0.33.0 is in its source
+distribution, and none of LeaseKit's own names is used there, read with :mod:`ast` (0.33.0 is CUDA
+only on PyPI: it cannot be imported on this CPU machine).
 
 The sdist is cached under ``~/.cache/leasekit/sdists`` (env ``LEASEKIT_SDIST_CACHE`` overrides) and
 fetched when absent. Not with ``pip download``: for an sdist pip prepares the package metadata,
@@ -107,6 +108,15 @@ def test_sdist_is_the_release(sdist_root):
 
 def test_every_recorded_hook_signature_attribute_and_log_format_exists(index):
     assert check_source(index, NEEDS, logs=True) == []
+
+
+def test_wire_literals_and_kv_params_are_recorded_and_found(index):
+    """The wire and key records are not empty for 0.33.0, and each is found at its sites."""
+    assert {"heartbeat_prefix", "heartbeat_separator", "completion_format", "encoding", "handshake_tag"} <= set(
+        NEEDS.wire)
+    assert {"do_remote_prefill", "remote_engine_id", "remote_host", "remote_request_id"} <= set(NEEDS.kv_params)
+    assert index.constants[f"{NIXL}.metadata"]["GET_META_MSG"] == NEEDS.wire["handshake_tag"].value
+    assert ".rsplit(':', 1)" in index.literals("NixlPullConnectorWorker", "_get_new_notifs", f"{NIXL}.pull_worker")[1]
 
 
 def test_connector_version_is_the_recorded_one(sdist_root):

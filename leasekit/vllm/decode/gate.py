@@ -1,20 +1,26 @@
 """D's side of the fail-closed protocol in LeaseKitConnector's NIXL worker (docs/fail-closed.md).
 
 A read of P's KV blocks becomes tokens only after P confirmed that the lease covered it
-(:class:`leasekit.lease.readgate.ReadGate`). Hooks of vllm 0.32.0 (``.../kv_connector/v1/nixl/``):
+(:class:`leasekit.lease.readgate.ReadGate`). :class:`DReadGate` is the component LeaseKit's worker owns
+(``_lk_gate``); the worker's hooks of vllm 0.32.0 (``.../kv_connector/v1/nixl/``,
+:class:`leasekit.vllm.decode.hooks.DHooks`) hand it these moments:
 
-- ``_read_blocks`` (``pull_worker.py``): before the first read from a P agent for a request P marked
-  with ``leasekit_protocol``, say hello to that agent: a heartbeat whose only id is
-  ``LK1~H~<base64 "<ZMQ endpoint> <token>">`` (this worker's verdict inbox, :mod:`leasekit.vllm.verdictchan`; a
-  stock P ignores an id it does not hold) so that P can answer D; then a read probe (a heartbeat naming that lease, whose ack
-  releases the read with no wait if it arrives before the read finishes); record which P agents must answer for the request;
-- ``_pop_done_transfers`` (``base_worker.py``) for ``_recving_transfers``: a protected read that finished
-  is held back instead of reported done (its deferred mixed-memory completions are sent now, so P hears
-  of it); each step, held reads are decided: ``verified`` ones are reported done (and ``abandoned`` ones,
-  whose request already finished on D, so that vLLM frees its blocks), ``reaped``, ``timeout`` and
-  ``ungated`` ones are reported failed, so vLLM puts their local blocks in ``_invalid_block_ids`` and
-  the scheduler applies ``kv_load_failure_policy`` (``recompute``, or a request-level error). Reads of
-  requests P did not mark (stock P) are ``unprotected``: used as stock does, and counted.
+- ``_read_blocks`` (``pull_worker.py``) -> :meth:`DReadGate.before_read`: before the first read from a P
+  agent for a request P marked with ``leasekit_protocol``, say hello to that agent: a heartbeat whose only
+  id is ``LK1~H~<base64 "<ZMQ endpoint> <token>">`` (this worker's verdict inbox,
+  :mod:`leasekit.vllm.verdictchan`; a stock P ignores an id it does not hold) so that P can answer D; then
+  a read probe (a heartbeat naming that lease, whose ack releases the read with no wait if it arrives
+  before the read finishes); record which P agents must answer for the request;
+- ``_pop_done_transfers`` (``base_worker.py``) for ``_recving_transfers`` -> :meth:`DReadGate.poll`: a
+  protected read that finished is held back instead of reported done (its deferred mixed-memory
+  completions are sent now, so P hears of it); each step, held reads are decided: ``verified`` ones are
+  reported done (and ``abandoned`` ones, whose request already finished on D, so that vLLM frees its
+  blocks), ``reaped``, ``timeout`` and ``ungated`` ones are reported failed, so vLLM puts their local
+  blocks in ``_invalid_block_ids`` and the scheduler applies ``kv_load_failure_policy`` (``recompute``, or
+  a request-level error). Reads of requests P did not mark (stock P) are ``unprotected``: used as stock
+  does, and counted;
+- ``_send_heartbeats`` (``base_worker.py``) -> :meth:`DReadGate.hello_engines`, and each heartbeat's bytes
+  through :meth:`DReadGate.sequence_heartbeat` (the NIXL wrapper's tap).
 
 Every decision is a ``kv_lease_read`` span, a ``leasekit_kv_lease_reads_total{outcome}`` increment
 (with the wait in ``leasekit_kv_lease_read_verdict_wait_seconds``) and, for discarded reads, a
@@ -25,7 +31,7 @@ gate is reported failed (fail closed), not served.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable, Iterable
 
 from leasekit.lease.codec import (
     REASON_BAD_PROTOCOL,
@@ -48,233 +54,269 @@ from leasekit.lease.readgate import (
 )
 from leasekit.telemetry import semconv as sc
 from leasekit.telemetry.lease_log import RateLimitedWarning, lease_logger
-from leasekit.vllm.kvdigest import KV_DIGEST_ATTR, kv_digest
+from leasekit.vllm.decode.vllmstate import VllmDState
+from leasekit.vllm.kvdigest import KV_DIGEST_ATTR
 from leasekit.vllm.taps import HEARTBEAT_PREFIX
 from leasekit.vllm.verdictchan import MAX_MESSAGE_BYTES, VerdictInbox, encode_hello_payload
 
 MAX_ENGINE_HOSTS = 4096
 """P engines whose side-channel host D remembers (the oldest are forgotten first)."""
 
+DropFn = Callable[[str, str, str], None]
+"""``drop(reason, agent, detail)``: count (and log) one dropped message; ``reason`` is a label of
+``leasekit_notifications_dropped_total`` (here ``bad_protocol``), ``agent`` the sender or ``"?"``."""
 
-class DReadGating:
-    """Mixin for LeaseKitConnector's NIXL worker (needs vLLM's ``_remote_agents``, ``_recving_transfers``,
-    ``_recving_metadata``, ``_send_pending_recv_notifs``, ``nixl_wrapper`` and LeaseKit's ``_lk_stats``,
-    ``_lk_errors``, ``_lk_hb`` (D's heartbeat spans: the read span joins the request's trace)). Call :meth:`_lk_init_gate` in ``__init__``
-    and :meth:`_lk_close_gate` at shutdown."""
 
-    _lk_ready = True  # its init ran (LeaseKitPullWorker, whose class default is False, sets it after _lk_setup)
+class DReadGate:
+    """D's read gate: holds each finished KV read of a protected request until P proved the lease covered
+    it, and reports it done or failed to vLLM.
 
-    def _lk_init_gate(self, timeout_s: float, lease_duration_s: float, tracer: Any) -> None:
-        self._lk_gate = ReadGate(timeout_s, max_remaining_s=lease_duration_s)
-        self._lk_gate_tracer = tracer
-        self._lk_hello_sent: set[str] = set()
-        self._lk_hello_msgs: dict[str, tuple[str, bytes]] = {}  # P host -> (inbox endpoint routed to it, hello)
-        self._lk_inbox = VerdictInbox()
-        self._lk_engine_hosts: dict[str, str] = {}  # P engine id -> its side-channel host
-        self._lk_gate_warning = RateLimitedWarning(lease_logger())
-        self._lk_read_digests: dict[str, str] = {}  # only with fault points (kvdigest.py)
-        self._lk_protocol_engines: set[str] = set()
+    Args:
+        state: vLLM's worker state (:class:`leasekit.vllm.decode.vllmstate.VllmDState`): remote agents, the
+            receive maps, ``_send_pending_recv_notifs``, the NIXL wrapper, the TP rank.
+        timeout_s: seconds a held read waits for P's verdict before it is discarded (``timeout``); > 0
+            (``leasekit_verdict_timeout_s``, checked by :func:`leasekit.lease.settings.verdict_timeout`).
+        lease_duration_s: L, seconds; the largest remaining lease time an ack may claim.
+        tracer: OpenTelemetry tracer for the ``kv_lease_read`` spans.
+        stats: :class:`leasekit.vllm.stats.LeaseStatsObserver` (``read(outcome, wait_s, proof)``).
+        errors: :class:`leasekit.vllm.taps.TelemetryErrors` (``report(where, exc)``; never raises).
+        faults: :class:`leasekit.vllm.faultpoints.FaultPoints` (``enabled``, ``heartbeats_disturbed()``).
+        drop: ``drop(reason, agent, detail)`` for junk in the verdict inbox (:data:`DropFn`).
+        context_of: P request id -> the OpenTelemetry context of its request's trace, or None
+            (:meth:`leasekit.telemetry.decode_spans.HeartbeatSpanRecorder.context_of`).
+        warning: rate-limited WARNING for discarded reads (default: one on the lease logger).
 
-    def _lk_close_gate(self) -> None:
+    It opens this worker's verdict inbox (:attr:`inbox`, bound lazily per P host); :meth:`close` closes it.
+
+    Raises:
+        ValueError: ``timeout_s`` not > 0 (from :class:`leasekit.lease.readgate.ReadGate`).
+    """
+
+    def __init__(self, state: VllmDState, *, timeout_s: float, lease_duration_s: float, tracer: Any, stats: Any,
+                 errors: Any, faults: Any, drop: DropFn, context_of: Callable[[str], Any],
+                 warning: RateLimitedWarning | None = None):
+        self.gate = ReadGate(timeout_s, max_remaining_s=lease_duration_s)
+        """The decisions (:class:`leasekit.lease.readgate.ReadGate`), pure; this component drives it."""
+        self._state = state
+        self._tracer = tracer
+        self._stats = stats
+        self._errors = errors
+        self._faults = faults
+        self._drop = drop
+        self._context_of = context_of
+        self._warning = warning if warning is not None else RateLimitedWarning(lease_logger())
+        self.inbox = VerdictInbox()
+        """This worker's verdict inbox (:class:`leasekit.vllm.verdictchan.VerdictInbox`)."""
+        self.hello_sent: set[str] = set()
+        """Names of the P agents that heard our hello (and so ack our sequenced heartbeats)."""
+        self._hello_msgs: dict[str, tuple[str, bytes]] = {}  # P host -> (inbox endpoint routed to it, hello)
+        self._engine_hosts: dict[str, str] = {}  # P engine id -> its side-channel host
+        self._read_digests: dict[str, str] = {}  # only with fault points (kvdigest.py)
+        self._protocol_engines: set[str] = set()
+
+    def close(self) -> None:
         """Close the verdict inbox (worker shutdown)."""
-        self._lk_inbox.close()
+        self.inbox.close()
 
-    def _lk_protect(self, marked: Any) -> None:
+    def protect(self, marked: Any) -> None:
         """Requests P marked with ``leasekit_protocol``: ``[D request id, P engine id, P host, pledge]`` from
         the scheduler's metadata (pledge: ``[until_us, clock id]`` or None, leasekit/lease/pledge.py). That P engine speaks the protocol:
-        D may say hello to it, naming the inbox endpoint its kernel routes to that host from."""
+        D may say hello to it, naming the inbox endpoint its kernel routes to that host from. None: nothing."""
         for request_id, engine_id, *rest in marked or ():
             host = rest[:1]
-            self._lk_gate.protect(request_id, parse_pledge(rest[1]) if len(rest) > 1 else None)
+            self.gate.protect(request_id, parse_pledge(rest[1]) if len(rest) > 1 else None)
             if engine_id:
-                self._lk_protocol_engines.add(str(engine_id))
+                self._protocol_engines.add(str(engine_id))
                 if host and host[0]:
-                    self._lk_engine_hosts.pop(str(engine_id), None)  # most recent last
-                    self._lk_engine_hosts[str(engine_id)] = str(host[0])
-                    if len(self._lk_engine_hosts) > MAX_ENGINE_HOSTS:
-                        del self._lk_engine_hosts[next(iter(self._lk_engine_hosts))]
+                    self._engine_hosts.pop(str(engine_id), None)  # most recent last
+                    self._engine_hosts[str(engine_id)] = str(host[0])
+                    if len(self._engine_hosts) > MAX_ENGINE_HOSTS:
+                        del self._engine_hosts[next(iter(self._engine_hosts))]
 
-    def _lk_receive_verdicts(self) -> None:
-        """Hand every verdict and acknowledgement waiting in the inbox to the gate; anything else there
-        is dropped and counted (``bad_protocol``). Called each step before held reads are decided."""
-        received, malformed = self._lk_inbox.drain()
-        for _ in range(malformed):
-            self._lk_drop(REASON_BAD_PROTOCOL, "?", "verdict inbox: not [P agent name, message]")
-        for agent, raw in received:
-            message = decode_notification(raw, max_bytes=MAX_MESSAGE_BYTES)
-            if isinstance(message, Verdict):
-                self._lk_gate.verdict(agent, message.req_id, message.ok)
-            elif isinstance(message, Ack):
-                self._lk_gate.ack(agent, message.seq, message.remaining_s, message.req_ids, message.remote_now_s,
-                                  message.clock_id)
-            else:
-                self._lk_drop(REASON_BAD_PROTOCOL, agent, "verdict inbox: neither a verdict nor an ack")
-
-    def _lk_finished(self, request_ids: Any) -> None:
+    def finish(self, request_ids: Iterable[str] | None) -> None:
         """Protected requests that finished on D (scheduler's ``request_finished``: served, aborted or
         failed): their gate state ends (an undecided read of theirs will never be served)."""
         for request_id in request_ids or ():
-            self._lk_gate.finish(request_id)
-            self._lk_read_digests.pop(request_id, None)
+            self.gate.finish(request_id)
+            self._read_digests.pop(request_id, None)
 
-    def _lk_hello_engines(self, heartbeat_by_engine: Any) -> None:
+    def receive_verdicts(self) -> None:
+        """Hand every verdict and acknowledgement waiting in the inbox to the gate; anything else there
+        is dropped and counted (``bad_protocol``). Called each step before held reads are decided.
+        Raises what the inbox or ``drop`` raise (:meth:`poll` reports it)."""
+        received, malformed = self.inbox.drain()
+        for _ in range(malformed):
+            self._drop(REASON_BAD_PROTOCOL, "?", "verdict inbox: not [P agent name, message]")
+        for agent, raw in received:
+            message = decode_notification(raw, max_bytes=MAX_MESSAGE_BYTES)
+            if isinstance(message, Verdict):
+                self.gate.verdict(agent, message.req_id, message.ok)
+            elif isinstance(message, Ack):
+                self.gate.ack(agent, message.seq, message.remaining_s, message.req_ids, message.remote_now_s,
+                              message.clock_id)
+            else:
+                self._drop(REASON_BAD_PROTOCOL, agent, "verdict inbox: neither a verdict nor an ack")
+
+    def hello_engines(self, heartbeat_by_engine: Any) -> None:
         """Before heartbeating a P engine known to speak the protocol (handshake done), say hello to its
-        agents, so that P acknowledges these heartbeats (the gate's fast path)."""
+        agents, so that P acknowledges these heartbeats (the gate's fast path). ``heartbeat_by_engine``:
+        vLLM's metadata field (P engine id -> heartbeat info), or None. Never raises."""
         for engine_id in heartbeat_by_engine or ():
             try:
-                if (engine_id in self._lk_protocol_engines and engine_id in self._remote_agents
-                        and engine_id in self._lk_engine_hosts):
-                    for agent in self._remote_agents[engine_id].values():
-                        self._lk_say_hello(agent, engine_id)
+                remote_agents = self._state.remote_agents
+                if (engine_id in self._protocol_engines and engine_id in remote_agents
+                        and engine_id in self._engine_hosts):
+                    for agent in remote_agents[engine_id].values():
+                        self._say_hello(agent, engine_id)
             except Exception as exc:  # acks are an optimisation: without them D waits for verdicts
-                self._lk_errors.report("hello", exc)
+                self._errors.report("hello", exc)
 
-    def _lk_sequence_heartbeat(self, agent: Any, msg: bytes, started_s: float) -> bytes:
+    def sequence_heartbeat(self, agent: Any, msg: bytes, started_s: float) -> bytes:
         """The heartbeat to send to ``agent`` (begun at ``started_s``, ``perf_counter`` seconds): with
-        ``,LK1~<n>`` appended when the agent heard our hello, so that P's ack names this send."""
+        ``,LK1~<n>`` appended when the agent heard our hello, so that P's ack names this send. The
+        NIXL wrapper tap's ``rewrite``. Never raises (the stock bytes on failure)."""
         try:
             name = agent_name(agent)
-            if name not in self._lk_hello_sent:
+            if name not in self.hello_sent:
                 return msg
-            seq = self._lk_gate.heartbeat_sent(name, started_s)
+            seq = self.gate.heartbeat_sent(name, started_s)
             return bytes(msg) + b"," + sequence_token(seq).encode()
         except Exception as exc:  # acks are an optimisation: send the stock heartbeat
-            self._lk_errors.report("heartbeat sequence", exc)
+            self._errors.report("heartbeat sequence", exc)
             return msg
 
-    def _read_blocks(self, *args: Any, **kwargs: Any) -> bool:
-        """Stock ``_read_blocks``; for a protected request, first the expectation of that P agent's
-        verdict, then the hello (once per P agent). If either fails the read is ``ungated`` (discarded).
-        vLLM 0.32 passes every argument by keyword (``pull_worker.py`` ``_read_and_notify``); positional
-        arguments make every protected read ``ungated`` rather than unchecked."""
-        if not self._lk_ready:
-            return super()._read_blocks(*args, **kwargs)
+    def before_read(self, args: tuple, kwargs: dict) -> None:
+        """Called with ``_read_blocks``' arguments just before vLLM posts the read: for a protected
+        request, the expectation of that P agent's verdict, then the hello (once per P agent), then the
+        probe. If either of the first two fails the read is ``ungated`` (discarded). vLLM 0.32 passes
+        every argument by keyword (``pull_worker.py`` ``_read_and_notify``); positional arguments make
+        every protected read ``ungated`` rather than unchecked. Never raises."""
         request_id = kwargs.get("request_id")
         if args and request_id is None:
-            self._lk_gate.ungate_all()
-        if request_id is not None and self._lk_gate.is_protected(request_id):
+            self.gate.ungate_all()
+        if request_id is not None and self.gate.is_protected(request_id):
             try:
                 spec, engine = kwargs["read_spec"], kwargs["dst_engine_id"]
-                agent = self._remote_agents[engine][(0, spec.remote_rank)]
-                self._lk_gate.expect(request_id, agent_name(agent), kwargs["remote_request_id"])
-                self._lk_say_hello(agent, engine)
+                agent = self._state.remote_agents[engine][(0, spec.remote_rank)]
+                self.gate.expect(request_id, agent_name(agent), kwargs["remote_request_id"])
+                self._say_hello(agent, engine)
             except Exception as exc:  # fail closed: this read will be discarded, never served unchecked
-                self._lk_gate.ungate(request_id)
-                self._lk_errors.report("read gate", exc)
+                self.gate.ungate(request_id)
+                self._errors.report("read gate", exc)
             else:
-                self._lk_probe(agent, kwargs["remote_request_id"])
-        return super()._read_blocks(*args, **kwargs)
+                self._probe(agent, kwargs["remote_request_id"])
 
-    def _lk_probe(self, agent: Any, remote_request_id: str) -> None:
+    def _probe(self, agent: Any, remote_request_id: str) -> None:
         """A heartbeat naming this one lease, sent just before its read is posted (with the sequence
-        token, :meth:`_lk_sequence_heartbeat`). P's acknowledgement travels while the read runs, so a
+        token, :meth:`sequence_heartbeat`). P's acknowledgement travels while the read runs, so a
         read of a comfortably alive lease finds it already covered if the ack beat the read, and passes
         with no wait (the fast path) instead of waiting up to a round trip for its verdict. An optimisation
         only: a failed send is reported, never fatal. Not sent while a chaos heartbeat fault is set."""
         try:
-            if self._lk_faults.enabled and self._lk_faults.heartbeats_disturbed():
+            if self._faults.enabled and self._faults.heartbeats_disturbed():
                 return
-            self.nixl_wrapper.send_notif(agent, notif_msg=HEARTBEAT_PREFIX + str(remote_request_id).encode())
+            self._state.nixl_wrapper.send_notif(agent, notif_msg=HEARTBEAT_PREFIX + str(remote_request_id).encode())
         except Exception as exc:
-            self._lk_errors.report("read probe", exc)
+            self._errors.report("read probe", exc)
 
-    def _lk_say_hello(self, agent: str | bytes, engine_id: str) -> None:
+    def _say_hello(self, agent: str | bytes, engine_id: str) -> None:
         """Tell P agent ``agent`` (of P engine ``engine_id``) where to send its verdicts, once.
 
         Raises:
             KeyError: D does not know that engine's host (its request was not marked).
             OSError, zmq.ZMQError: no route to that host, or the inbox could not bind.
         """
-        if agent_name(agent) in self._lk_hello_sent:
+        if agent_name(agent) in self.hello_sent:
             return
-        host = self._lk_engine_hosts[str(engine_id)]
-        hello = self._lk_hello_msgs.get(host)
+        host = self._engine_hosts[str(engine_id)]
+        hello = self._hello_msgs.get(host)
         if hello is None:
-            if len(self._lk_hello_msgs) >= MAX_ENGINE_HOSTS:
-                self._lk_hello_msgs.clear()
-            endpoint = self._lk_inbox.endpoint_for(host)
-            hello = self._lk_hello_msgs[host] = (endpoint, encode_hello(encode_hello_payload(endpoint, self._lk_inbox.token)))
-        raw = getattr(self.nixl_wrapper, "_wrapped", self.nixl_wrapper)  # not counted as a heartbeat
+            if len(self._hello_msgs) >= MAX_ENGINE_HOSTS:
+                self._hello_msgs.clear()
+            endpoint = self.inbox.endpoint_for(host)
+            hello = self._hello_msgs[host] = (endpoint, encode_hello(encode_hello_payload(endpoint, self.inbox.token)))
+        wrapper = self._state.nixl_wrapper
+        raw = getattr(wrapper, "_wrapped", wrapper)  # not counted as a heartbeat
         raw.send_notif(agent, notif_msg=hello[1])
-        self._lk_hello_sent.add(agent_name(agent))
+        self.hello_sent.add(agent_name(agent))
         lease_logger().info("LeaseKit: said hello to P agent %s (verdicts to %s): reads from it wait for its verdicts",
                             agent_name(agent), hello[0])
 
-    def _pop_done_transfers(self, transfers: dict[str, list[int]]) -> tuple[set[str], set[str]]:
-        """Stock polling; finished protected reads are held back, and held reads P answered (or that
-        timed out) are reported done (verified; abandoned: the request already finished on D) or failed
-        (reaped, timeout, ungated)."""
-        done, failed = super()._pop_done_transfers(transfers)
-        if not self._lk_ready:
-            return done, failed
-        if transfers is not self._recving_transfers:
+    def poll(self, transfers: Any, done: set[str], failed: set[str]) -> tuple[set[str], set[str]]:
+        """After vLLM's stock ``_pop_done_transfers(transfers)`` returned ``(done, failed)`` (D request ids):
+        for the receive map (``transfers`` is ``_recving_transfers``), finished protected reads are held
+        back, and held reads P answered (or that timed out) are reported done (verified; abandoned: the
+        request already finished on D) or failed (reaped, timeout, ungated). Any other map: unchanged.
+        Returns the (possibly updated) ``(done, failed)`` sets. A failure inside the gate is reported, not
+        raised, and fails the read it concerns (never serves it); only a missing vLLM attribute raises."""
+        if transfers is not self._state.recving_transfers:
             return done, failed
         try:
-            self._lk_receive_verdicts()
+            self.receive_verdicts()
         except Exception as exc:  # held reads then wait (and time out): never served unchecked
-            self._lk_errors.report("verdict inbox", exc)
+            self._errors.report("verdict inbox", exc)
         now = time.perf_counter()
         decided: list[GateResult] = []
         for request_id in list(done):
-            if request_id in failed or request_id in self._recv_failures:
+            if request_id in failed or request_id in self._state.recv_failures:
                 continue  # stock failure handling (vLLM invalidates the blocks)
             try:
-                if self._lk_faults.enabled:
-                    self._lk_digest_read(request_id)
-                action = self._lk_gate.hold(request_id, now)
+                if self._faults.enabled:
+                    self._digest_read(request_id)
+                action = self.gate.hold(request_id, now)
                 if action != USE:  # HOLD, or FAIL (decided ungated by resolve below)
                     done.discard(request_id)
-                    self._send_pending_recv_notifs(request_id)  # mixed-memory reads notify P only now
+                    self._state.send_pending_recv_notifs(request_id)  # mixed-memory reads notify P only now
                 else:
-                    meta = self._recving_metadata.get(request_id)
+                    meta = self._state.recving_metadata.get(request_id)
                     remote = getattr(getattr(meta, "remote", None), "request_id", "")
-                    outcome = OUTCOME_ABANDONED if self._lk_gate.pop_finished(request_id) else OUTCOME_UNPROTECTED
+                    outcome = OUTCOME_ABANDONED if self.gate.pop_finished(request_id) else OUTCOME_UNPROTECTED
                     decided.append(GateResult(request_id, remote, outcome, 0.0))
             except Exception as exc:  # fail closed: a read we could not gate is not served
-                self._lk_errors.report("read gate", exc)
+                self._errors.report("read gate", exc)
                 done.discard(request_id)
                 failed.add(request_id)
         try:
-            for result in self._lk_gate.resolve(now):
+            for result in self.gate.resolve(now):
                 if result.outcome in RELEASED_OUTCOMES:  # verified, or abandoned: vLLM frees its blocks
                     done.add(result.request_id)
                 else:
                     failed.add(result.request_id)
                 decided.append(result)
             for result in decided:
-                self._lk_record_read(result, now)
+                self._record_read(result, now)
         except Exception as exc:
-            self._lk_errors.report("read gate", exc)
+            self._errors.report("read gate", exc)
         return done, failed
 
-    def _lk_digest_read(self, request_id: str) -> None:
-        meta = self._recving_metadata.get(request_id)
+    def _digest_read(self, request_id: str) -> None:
+        meta = self._state.recving_metadata.get(request_id)
         groups = getattr(meta, "local_block_ids", None)
         if groups is not None and len(groups) and len(groups[0]):
-            self._lk_read_digests[request_id] = kv_digest(self, [int(b) for b in groups[0]]) or ""
+            self._read_digests[request_id] = self._state.kv_digest([int(b) for b in groups[0]]) or ""
 
-    def _lk_discard_reason(self, outcome: str) -> str:
+    def _discard_reason(self, outcome: str) -> str:
         if outcome == "reaped":
             return "P had already ended the lease"
         if outcome == OUTCOME_TIMEOUT:
             return ("no verdict from P in time (P down, partitioned or idle, or P cannot open a TCP connection to "
-                    f"this worker's verdict inbox {', '.join(self._lk_inbox.endpoints) or '(none bound)'})")
+                    f"this worker's verdict inbox {', '.join(self.inbox.endpoints) or '(none bound)'})")
         return "the read could not be checked (a repeated read of that P request, or the gate's hook failed)"
 
-    def _lk_record_read(self, result: GateResult, now: float) -> None:
-        self._lk_stats.read(result.outcome, result.wait_s, result.proof)
+    def _record_read(self, result: GateResult, now: float) -> None:
+        self._stats.read(result.outcome, result.wait_s, result.proof)
         if result.outcome == OUTCOME_TIMEOUT:  # P may have closed this D's agent (cap, restart), or D's address
             # changed: route again, and say hello again (P reconnects if the endpoint changed or it forgot us)
-            self._lk_hello_sent.difference_update(agent_name(a) for a in result.agents)
-            self._lk_hello_msgs.clear()
-            self._lk_inbox.forget_routes()
-        digest = self._lk_read_digests.pop(result.request_id, None)
+            self.hello_sent.difference_update(agent_name(a) for a in result.agents)
+            self._hello_msgs.clear()
+            self.inbox.forget_routes()
+        digest = self._read_digests.pop(result.request_id, None)
         start_ns = time.time_ns() - int(result.wait_s * 1e9)
-        parent = self._lk_hb.context_of(result.remote_request_id)  # the request's trace, if D tracks it
-        span = self._lk_gate_tracer.start_span(sc.READ_SPAN_NAME, context=parent, start_time=start_ns, attributes={
+        parent = self._context_of(result.remote_request_id)  # the request's trace, if D tracks it
+        span = self._tracer.start_span(sc.READ_SPAN_NAME, context=parent, start_time=start_ns, attributes={
             sc.REQUEST_ID: result.remote_request_id,
             sc.DECODE_REQUEST_ID: result.request_id,
-            sc.TP_RANK: self.tp_rank,
+            sc.TP_RANK: self._state.tp_rank,
             sc.READ_OUTCOME: result.outcome,
             sc.READ_VERDICT_WAIT_S: result.wait_s,
             sc.READ_AGENTS: list(result.agents),
@@ -284,10 +326,10 @@ class DReadGating:
         })
         span.end()
         if result.outcome in sc.READ_DISCARDED_OUTCOMES:
-            self._lk_gate_warning.warn(
+            self._warning.warn(
                 "LeaseKit: discarded the KV read of request %s (P request %s): %s after %.3f s; vLLM's "
                 "kv_load_failure_policy applies (recompute, or the request fails)",
                 result.request_id, result.remote_request_id,
-                self._lk_discard_reason(result.outcome),
+                self._discard_reason(result.outcome),
                 result.wait_s, event="read_discarded", request_id=result.remote_request_id, outcome=result.outcome,
             )

@@ -14,7 +14,7 @@ does not hook is still reaped on time.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 from leasekit.lease.config import LeaseTiming
 from leasekit.lease.table import Lease, PLeaseTable
@@ -32,14 +32,18 @@ class ExpiryIndex:
         timing: the lease timing in force (``L`` gives each lease's grant instant, ``deadline - L``).
         max_hold_s: seconds after a grant past which no heartbeat moves its deadline
             (``leasekit_max_hold_s``).
+        table: the table to keep in step (P's :class:`leasekit.lease.pkeeping.PLeaseKeeping` table, whose
+            rules the worker applies); default a fresh one with ``timing`` and ``max_hold_s``.
 
     Not thread-safe: P's engine loop is the only caller. All times are seconds on the worker clock.
     """
 
-    def __init__(self, stamped: dict[str, float], timing: LeaseTiming, max_hold_s: float):
+    def __init__(self, stamped: dict[str, float], timing: LeaseTiming, max_hold_s: float, *,
+                 table: PLeaseTable | None = None):
         self.stamped = stamped
         self._stamped = stamped
-        self._table = PLeaseTable(timing, ended_memory=0, max_buffered=0, max_hold_s=max_hold_s)
+        self._table = table if table is not None else PLeaseTable(timing, ended_memory=0, max_buffered=0,
+                                                                  max_hold_s=max_hold_s)
         self._audit_at = 0.0
 
     def __len__(self) -> int:
@@ -111,3 +115,34 @@ class ExpiryIndex:
     def expiring_within(self, seconds: float, now: float) -> int:
         """Live leases whose deadline is less than ``seconds`` away (the expiring-soon gauge); O(k log n)."""
         return self._table.expiring_within(seconds, now)
+
+    def reap(self, state, done_sending: set[str], vllm_reap: Callable[[set[str]], None], now: float) -> list[str]:
+        """vLLM's own reap, on the leases due at ``now`` (s) only; returns the ids it added to
+        ``done_sending`` (each expired lease once).
+
+        ``state``: :class:`leasekit.vllm.prefill.vllmstate.VllmSendState`; ``vllm_reap``: vLLM's
+        ``_reap_expired_send_leases`` bound to the worker (vllm 0.32.0 ``nixl/base_worker.py``), which
+        scans ``_reqs_to_send``: it is called with that map narrowed to the due leases, so vLLM's
+        accounting, stats and log line are unchanged, and the map is restored (less what vLLM reaped)
+        even if it raises. A lease vLLM did not reap (cannot happen: due by the same clock) is indexed again."""
+        stamped = state.reqs_to_send
+        if self.stamped is not stamped:  # vLLM rebound its lease map: index the new one (O(n), once)
+            self.rebind(stamped, now)
+        due = self.due(now)
+        if not due:
+            return []
+        before = len(done_sending)
+        already = set(done_sending) if before else ()
+        narrowed = dict(due)
+        state.rebind_reqs_to_send(narrowed)
+        try:
+            vllm_reap(done_sending)
+        finally:
+            state.rebind_reqs_to_send(stamped)
+            for req_id in due:
+                if req_id not in narrowed:  # vLLM reaped it
+                    del stamped[req_id]
+            self.restore(narrowed, now)
+        if len(done_sending) == before:
+            return []
+        return [req_id for req_id in done_sending if req_id not in already]

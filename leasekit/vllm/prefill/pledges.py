@@ -9,138 +9,136 @@ worker on another clock (another host) stretches the span by ``K`` (leasekit/lea
 lease before that instant is answered and accounted as stock does, except that the request id is reported in
 ``finished_sending`` (the scheduler then frees the blocks) only at the first step at or after the pledge's
 end: the lease leaves ``_reqs_to_send`` at once (no heartbeat extends it, the reaper never sees it) and waits
-in ``_lk_deferred``. Its lease span ends ``released`` when the blocks are really freed, with
+in :attr:`PledgeHolds.deferred`. Its lease span ends ``released`` when the blocks are really freed, with
 ``leasekit.pledge_hold_s``; ``leasekit_kv_lease_pledge_hold_seconds`` observes the same seconds.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from typing import Any
 
 from leasekit.lease.pledge import RATE_FACTOR
 from leasekit.telemetry import semconv as sc
-from leasekit.vllm.clockid import local_clock_id
+from leasekit.telemetry.lease_log import RateLimitedWarning, lease_logger
+from leasekit.lease.pkeeping import PLeaseKeeping
+from leasekit.vllm.prefill.vllmstate import VllmSendState
 from leasekit.vllm.scheduler import METADATA_PLEDGE_CLOCK_ATTR, METADATA_PLEDGES_ATTR
 
 
-class PPledgeHolds:
-    """Mixin for LeaseKitConnector's NIXL worker (needs vLLM's ``_reqs_to_send`` and LeaseKit's ``_lk``
-    span recorder, ``_lk_stats``); a base of :class:`leasekit.vllm.prefill.notifications.PNotificationHandling`,
-    whose ``_lk_init_notifications`` calls :meth:`_lk_init_pledges`."""
+class PledgeHolds:
+    """P's pledge holds for one worker, on vLLM's side (a component of LeaseKit's P worker): the rules are
+    :class:`leasekit.lease.pkeeping.PLeaseKeeping`'s (its :class:`~leasekit.lease.pkeeping.PledgeBook`);
+    this component reads the pledges from the connector metadata and mirrors the holds into vLLM's maps.
 
-    def _lk_init_pledges(self, pledge_s: float = 0.0) -> None:
-        """``pledge_s``: P's ``leasekit_pledge_s`` (seconds; 0 when this P makes no pledge)."""
-        self._lk_pledge_s = pledge_s
-        self._lk_clock_id = local_clock_id()  # named in every heartbeat acknowledgement
-        self._lk_pledge_holds: dict[str, float] = {}  # P request id -> pledge end, this worker's clock
-        self._lk_deferred: dict[str, tuple[float, float]] = {}  # P request id -> (pledge end, completion time)
-        self._lk_early: dict[str, float] = {}  # completed before its grant reached this worker -> when
+    Args:
+        state: vLLM's lease state (:class:`leasekit.vllm.prefill.vllmstate.VllmSendState`).
+        keeping: P's lease keeping (``pledge_s``: ``leasekit_pledge_s`` in seconds, 0 when this P makes
+            no pledge; ``max_hold_s``: an early completion whose grant never comes is forgotten after it).
+        recorder: the lease span recorder (``annotate``, ``release``).
+        stats: the lease stats observer (``pledge_hold``).
+        clock_id: this worker's clock id (:func:`leasekit.vllm.clockid.local_clock_id`; None: unknown),
+            compared with the scheduler's to rebase a pledge on one clock.
 
-    def _lk_take_pledges(self, metadata: Any) -> None:
-        """Once per step, after vLLM applied the step's metadata (``reqs_not_processed``, ``reqs_to_send``):
-        record the new grants' pledges, and release the completions that came before their grant.
+    State (the keeping's): :attr:`deferred` (request id -> (pledge end, completion time), seconds on the
+    worker clock), :attr:`early` (request id -> completion time), :attr:`holds` (request id -> pledge
+    end). Never raises into the engine loop (failures hold longer and are logged).
+    """
+
+    def __init__(self, state: VllmSendState, keeping: PLeaseKeeping, recorder: Any, stats: Any, *,
+                 clock_id: str | None = None):
+        self.state, self.keeping, self.recorder, self.stats = state, keeping, recorder, stats
+        self.book, self.clock_id = keeping.pledges, clock_id
+        self.warning = RateLimitedWarning(lease_logger())
+
+    @property
+    def holds(self) -> dict[str, float]:
+        """Request id -> pledge end (s, worker clock), for granted leases not yet completed."""
+        return self.book.holds
+
+    @property
+    def deferred(self) -> dict[str, tuple[float, float]]:
+        """Request id -> (pledge end, completion time): completed, freed at the pledge's end."""
+        return self.book.deferred
+
+    @property
+    def early(self) -> dict[str, float]:
+        """Request id -> completion time: completed before the grant reached this worker."""
+        return self.book.early
+
+    def take(self, metadata: Any, now: float) -> None:
+        """Once per step at ``now`` (s), after vLLM applied the step's metadata (``reqs_not_processed``,
+        ``reqs_to_send``): record the new grants' pledges, and release the completions that came before
+        their grant.
 
         A worker on the scheduler's clock (same clock id) holds until ``now + (until - scheduler_clock)``,
         never earlier than ``until``; one on another clock (another host) holds that span times ``K``, so
         that a clock running 10 % fast still holds past the scheduler's ``until``. A hold that is not a
         finite number, or longer than ``W * K``, and any failure here, fall back to ``now + W * K``: never
         earlier than the pledge (the grant came before ``now``)."""
-        now = time.perf_counter()
-        longest = self._lk_pledge_s * RATE_FACTOR
-        granted = [r for r in (getattr(metadata, "reqs_to_send", None) or ()) if r in self._reqs_to_send]
+        send, holds = self.state.reqs_to_send, self.book.holds
+        longest = self.keeping.pledge_s * RATE_FACTOR
+        granted = [r for r in (getattr(metadata, "reqs_to_send", None) or ()) if r in send]
         try:
             pledges = getattr(metadata, METADATA_PLEDGES_ATTR, None) or {}
             scheduler_clock = getattr(metadata, "scheduler_clock", None)
-            same = self._lk_clock_id is not None and getattr(metadata, METADATA_PLEDGE_CLOCK_ATTR, None) == self._lk_clock_id
+            same = self.clock_id is not None and getattr(metadata, METADATA_PLEDGE_CLOCK_ATTR, None) == self.clock_id
             for req_id, until in pledges.items():
-                if req_id not in self._reqs_to_send:
+                if req_id not in send:
                     continue
                 span = float(until) - float(scheduler_clock) if scheduler_clock else float(until) - now
                 hold = now + (span if same else span * RATE_FACTOR)
-                self._lk_pledge_holds[req_id] = hold if math.isfinite(hold) and hold <= now + longest else now + longest
+                holds[req_id] = hold if math.isfinite(hold) and hold <= now + longest else now + longest
         except Exception as exc:  # the holds are P's promise: hold for the whole pledge instead
             for req_id in granted:
-                self._lk_pledge_holds[req_id] = now + longest
-            self._lk_pledge_warning.warn("LeaseKit: recording grant pledges failed (%s: %s); holding this step's "
-                                         "leases for the whole pledge", type(exc).__name__, exc, event="pledge_error")
+                holds[req_id] = now + longest
+            self.warning.warn("LeaseKit: recording grant pledges failed (%s: %s); holding this step's "
+                              "leases for the whole pledge", type(exc).__name__, exc, event="pledge_error")
         try:
-            if self._lk_early:
-                self._lk_release_early(now)
+            if self.book.early:
+                self._release_early(now)
             for req_id in granted:
-                if req_id in self._lk_pledge_holds:
-                    self._lk.annotate(req_id, {sc.PLEDGE_UNTIL_MONOTONIC_S: self._lk_pledge_holds[req_id]})
+                if req_id in holds:
+                    self.recorder.annotate(req_id, {sc.PLEDGE_UNTIL_MONOTONIC_S: holds[req_id]})
         except Exception as exc:  # never into the engine loop; an early completion not moved stays held
-            self._lk_pledge_warning.warn("LeaseKit: grant pledge bookkeeping failed: %s: %s", type(exc).__name__, exc,
-                                         event="pledge_error")
+            self.warning.warn("LeaseKit: grant pledge bookkeeping failed: %s: %s", type(exc).__name__, exc,
+                              event="pledge_error")
 
-    def _lk_park_early(self, req_id: str, now: float) -> None:
-        """A completion released ``req_id`` before its grant reached this worker (the request is in
-        ``_reqs_to_process``, not yet in ``_reqs_to_send``): P holds it until the grant arrives, then
-        for ``W * K`` more (:meth:`_lk_release_early`). Stock vLLM would free a request that may still be
-        prefilling (and trip the scheduler's ``request.is_finished()`` assertion)."""
-        self._lk_early[req_id] = now
+    def _release_early(self, now: float) -> None:
+        """Early completions (see :data:`leasekit.lease.pkeeping.EARLY`; stock vLLM would free a request
+        that may still be prefilling and trip the scheduler's ``request.is_finished()`` assertion): one
+        aborted on P (``reqs_not_processed``) is forgotten, one whose grant arrived waits ``W * K`` more."""
+        state = self.state
+        for req_id in list(self.book.early):
+            if req_id not in state.reqs_to_process:  # aborted on P: nothing to free
+                self.keeping.forget_early(req_id)
+                state.forget_consumer_counts(req_id)
+            elif req_id in state.reqs_to_send:  # its grant arrived: the completion takes effect now
+                self.keeping.grant_arrived(req_id, now)
+                state.take_out(req_id)  # freed at the first step at or after the hold
 
-    def _lk_release_early(self, now: float) -> None:
-        for req_id, completed in list(self._lk_early.items()):
-            if req_id not in self._reqs_to_process:  # aborted on P (reqs_not_processed): nothing to free
-                del self._lk_early[req_id]
-                self._lk_forget_consumer_counts(req_id)
-            elif req_id in self._reqs_to_send:  # its grant arrived: the completion takes effect now
-                del self._lk_early[req_id]
-                hold = max(self._lk_pledge_holds.pop(req_id, now), now + self._lk_pledge_s * RATE_FACTOR)
-                self._lk_take_out(req_id)
-                self._lk_deferred[req_id] = (hold, completed)  # freed at the first step at or after hold
-
-    def _lk_forget_consumer_counts(self, req_id: str) -> None:
-        """Drop vLLM's per-request consumer notification counts of ``req_id``."""
-        self.consumer_notification_counts_by_req.pop(req_id, None)
-        self.expected_consumer_notifications_by_req.pop(req_id, None)
-
-    def _lk_take_out(self, req_id: str) -> None:
-        """Remove a released lease from vLLM's lease maps (counts, ``_reqs_to_process``, ``_reqs_to_send``):
-        no heartbeat extends it and the reaper never sees it; the caller reports it done now or defers it."""
-        self._lk_forget_consumer_counts(req_id)
-        self._reqs_to_process.discard(req_id)
-        self._reqs_to_send.pop(req_id, None)
-        self._lk_leases.discard(req_id)
-
-    def _lk_defer_release(self, req_id: str, now: float) -> bool:
-        """Whether ``req_id``'s release (its completion arrived at ``now``) waits for its pledge's end;
-        if so it is kept in ``_lk_deferred``. The caller has removed it from vLLM's lease maps."""
-        hold = self._lk_pledge_holds.pop(req_id, None)
-        if hold is None or now >= hold:
-            return False
-        self._lk_deferred[req_id] = (hold, now)
-        return True
-
-    def _lk_release_deferred(self, now: float, done: set[str]) -> None:
-        """Add to ``done`` (``finished_sending``) every deferred lease whose pledge ended by ``now``.
+    def release_due(self, now: float, done: set[str]) -> None:
+        """Add to ``done`` (``finished_sending``) every deferred lease whose pledge ended by ``now`` (s).
         The id is handed to vLLM before any telemetry, so a telemetry failure cannot keep blocks pinned."""
-        if not self._lk_deferred:
-            return
-        for req_id, (hold, completed) in list(self._lk_deferred.items()):
-            if now < hold:
-                continue
-            del self._lk_deferred[req_id]
+        for req_id, held in self.book.due(now):
             done.add(req_id)
-            held = max(0.0, now - completed)
             try:
-                self._lk.annotate(req_id, {sc.PLEDGE_HOLD_S: held})
-                self._lk.release(req_id, now=now)
-                self._lk_stats.pledge_hold(held)
+                self.recorder.annotate(req_id, {sc.PLEDGE_HOLD_S: held})
+                self.recorder.release(req_id, now=now)
+                self.stats.pledge_hold(held)
             except Exception as exc:
-                self._lk_pledge_warning.warn("LeaseKit: pledge release telemetry failed: %s: %s", type(exc).__name__,
-                                             exc, event="pledge_release_error")
+                self.warning.warn("LeaseKit: pledge release telemetry failed: %s: %s", type(exc).__name__,
+                                  exc, event="pledge_release_error")
 
-    def _lk_sweep_pledges(self) -> None:
-        """Forget the pledges of leases that ended another way (expired, aborted): once per step, O(1)
-        unless there is garbage."""
-        if len(self._lk_pledge_holds) > len(self._reqs_to_send):
-            self._lk_pledge_holds = {k: v for k, v in self._lk_pledge_holds.items() if k in self._reqs_to_send}
-        if self._lk_early:  # aborted on P, or never granted (no blocks) for longer than the max hold
-            oldest = time.perf_counter() - self._lk_max_hold_s
-            for req_id in [k for k, t in self._lk_early.items() if k not in self._reqs_to_process or t < oldest]:
-                del self._lk_early[req_id]
-                self._lk_forget_consumer_counts(req_id)
+    def sweep(self, now: float) -> None:
+        """Forget the pledges of leases that ended another way (expired, aborted), and early completions
+        whose request was aborted on P or never granted within the max hold: once per step at ``now``
+        (s), O(1) unless there is garbage."""
+        send, book = self.state.reqs_to_send, self.book
+        if len(book.holds) > len(send):
+            book.holds = {k: v for k, v in book.holds.items() if k in send}
+        if book.early:
+            oldest, process = now - self.keeping.max_hold_s, self.state.reqs_to_process
+            for req_id in [k for k, t in book.early.items() if k not in process or t < oldest]:
+                self.keeping.forget_early(req_id)
+                self.state.forget_consumer_counts(req_id)
