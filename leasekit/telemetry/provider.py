@@ -44,6 +44,9 @@ from leasekit.telemetry.batching import BatchSettings, CountingBatchSpanProcesso
 from leasekit.telemetry.spanfile import OtlpJsonLinesSpanExporter
 
 DEFAULT_SERVICE_NAME = "vllm-leasekit"
+RESOURCE_ENV = ("OTEL_RESOURCE_ATTRIBUTES", "OTEL_SERVICE_NAME", "OTEL_EXPERIMENTAL_RESOURCE_DETECTORS")
+"""The environment variables OpenTelemetry's resource detectors read (``Resource.create``)."""
+_DETECTED: dict[tuple[str | None, ...], Resource] = {}
 SUPPORTED_OTLP_PROTOCOLS = ("http/protobuf", "grpc")
 SPAN_FILE_BATCH = BatchSettings(max_queue_size=2048, schedule_delay_s=0.2, max_export_batch_size=512,
                                 export_timeout_s=30.0, shutdown_timeout_s=2.0)
@@ -177,6 +180,20 @@ def otlp_batch_settings(env: Mapping[str, str] = os.environ) -> BatchSettings:
     )
 
 
+def detected_resource() -> Resource:
+    """OpenTelemetry's resource for this process, ``Resource.create({})`` (the SDK's defaults, then its
+    detectors: ``OTEL_RESOURCE_ATTRIBUTES``, ``OTEL_SERVICE_NAME``, ``OTEL_EXPERIMENTAL_RESOURCE_DETECTORS``),
+    run once per value of those variables and kept: the SDK runs detectors on a thread pool and waits
+    up to 5 s for each, which every TP worker of a process would otherwise pay again.
+    ``detected_resource().merge(Resource(attrs))`` equals ``Resource.create(attrs)`` whenever ``attrs``
+    names ``service.name`` or ``OTEL_SERVICE_NAME`` is set (as :func:`build_tracer_provider` ensures)."""
+    key = tuple(os.environ.get(name) for name in RESOURCE_ENV)
+    resource = _DETECTED.get(key)
+    if resource is None:
+        resource = _DETECTED[key] = Resource.create({})
+    return resource
+
+
 def build_tracer_provider(
     *,
     run_dir: str | os.PathLike[str] | None,
@@ -211,7 +228,8 @@ def build_tracer_provider(
     otlp = otlp_endpoint_configured(env)
     otlp_batch = otlp_batch_settings(env) if otlp else None  # refuse bad settings before opening anything
     otlp_exporter = _otlp_exporter(env) if otlp else None
-    provider = LeaseKitTracerProvider(resource=Resource.create(attrs), id_generator=OsRandomIdGenerator())
+    provider = LeaseKitTracerProvider(resource=detected_resource().merge(Resource(attrs)),
+                                      id_generator=OsRandomIdGenerator())
     sinks: list[str] = []
     if run_dir is not None:
         path = Path(run_dir) / "spans" / f"{file_stem}-{os.getpid()}.jsonl"

@@ -85,3 +85,26 @@ def test_span_ids_do_not_follow_the_seeded_random_module(tmp_path):
     assert ids[0][0] != ids[1][0] and ids[0][1] != ids[1][1]
     random.seed(0)
     assert ids[0][0] != random.getrandbits(128)
+
+
+def test_the_resource_detectors_run_once_per_environment(monkeypatch):
+    """Each TP worker builds a provider; OpenTelemetry's detectors (a thread pool, up to 5 s each) run once
+    per value of the variables they read, and the resource equals ``Resource.create`` of the same attributes."""
+    from opentelemetry.sdk.resources import Resource
+
+    import leasekit.telemetry.provider as prov
+
+    calls = []
+    real = Resource.create
+    monkeypatch.setattr(prov, "_DETECTED", {})
+    monkeypatch.setattr(prov.Resource, "create", staticmethod(lambda attrs=None, schema_url=None: calls.append(1) or real(attrs, schema_url)))
+    monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "k8s.pod.name=p-0")
+    attrs = {"leasekit.tp_rank": 1, "service.name": "vllm-leasekit"}
+    first = build_tracer_provider(run_dir=None, file_stem="x", resource_attributes=attrs, env={})[0].resource
+    second = build_tracer_provider(run_dir=None, file_stem="x", resource_attributes=attrs, env={})[0].resource
+    assert len(calls) == 1 and first.attributes == second.attributes == real(attrs).attributes
+    assert first.attributes["k8s.pod.name"] == "p-0" and first.attributes["leasekit.tp_rank"] == 1
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "pd-fleet")  # a new environment: detected again
+    third = build_tracer_provider(run_dir=None, file_stem="x", resource_attributes={}, env={"OTEL_SERVICE_NAME": "pd-fleet"})[0]
+    assert len(calls) == 2 and third.resource.attributes["service.name"] == "pd-fleet"
