@@ -18,10 +18,13 @@ loop is the only caller).
 
 from __future__ import annotations
 
+from typing import Hashable, Iterable
+
 from leasekit.lease.binding import COUNTED, DUPLICATE, FOREIGN, RELEASED, LeaseBinding
+from leasekit.lease.codec import Completion, DecodeError, Heartbeat
 from leasekit.lease.config import LeaseTiming
 from leasekit.lease.pledge import RATE_FACTOR
-from leasekit.lease.table import PLeaseTable
+from leasekit.lease.table import Lease, LeaseEnd, Outcome, PLeaseTable, StepResult
 
 HELD = "held"
 """A completion for a lease already completed and still pinned by its pledge (drop it as a duplicate)."""
@@ -99,6 +102,7 @@ class PLeaseKeeping:
         self.binding = LeaseBinding()
         self.pledges = PledgeBook()
         self.max_hold_s, self.pledge_s, self.rate_factor = max_hold_s, pledge_s, rate_factor
+        self._pinned: dict[str, Lease] = {}  # step(): leases a pledge holds after their last completion
 
     def heartbeat(self, req_id: str, agent: str, now: float, extension_s: float) -> float | str | None:
         """One heartbeat of ``agent`` naming ``req_id`` at ``now``: None if ``req_id`` is not live (nothing
@@ -145,3 +149,48 @@ class PLeaseKeeping:
         """An early completion whose request was aborted on P, or never granted within the max hold."""
         self.pledges.early.pop(req_id, None)
         self.binding.forget(req_id)
+
+    # -- one engine step, for the simulator (leasekit.sim.world: a ``table_factory``) ----------------------
+    def grant(self, req_id: str, now_s: float, **kwargs) -> Lease | LeaseEnd:
+        """Grant ``req_id`` at ``now_s`` (:meth:`PLeaseTable.grant`'s arguments)."""
+        return self.table.grant(req_id, now_s, **kwargs)
+
+    def leases(self) -> list[Lease]:
+        """The live leases (:meth:`PLeaseTable.leases`)."""
+        return self.table.leases()
+
+    def step(self, now_s: float, notifications: Iterable[tuple[Hashable | None, Heartbeat | Completion | DecodeError]] = ()
+             ) -> StepResult:
+        """One engine step of P as LeaseKit's worker runs it: every notification (``(sender agent, decoded
+        message)``) through these rules, then the pledges that ended, then the expiry heap's reap (drain
+        before reap, vLLM's order). A completion for an id not live is ``not_live`` (the worker's grant is
+        instantaneous here: nothing is prefilled without a lease). Returns the ends in that order."""
+        result = StepResult()
+        extension = self.table.timing.extension_s
+        pinned = self._pinned
+        for sender, message in notifications:
+            agent = str(sender)
+            if isinstance(message, Heartbeat):
+                for req_id in message.req_ids:
+                    if self.heartbeat(req_id, agent, now_s, extension) is None:
+                        result.unknown_heartbeat_ids.append(req_id)
+            elif isinstance(message, Completion):
+                lease = self.table.get(message.req_id)
+                outcome = self.completion(message.req_id, agent, message.expected_consumers, now_s,
+                                          granted=lease is not None, prefilled=False)
+                if outcome == RELEASED:
+                    result.ended.append(LeaseEnd(lease.req_id, Outcome.RELEASED, now_s, lease))
+                elif outcome == DEFERRED:
+                    pinned[lease.req_id] = lease
+                elif outcome == NOT_LIVE:
+                    result.late_completions.append(message.req_id)
+            else:
+                result.errors.append(message)
+        for req_id, _held in self.pledges.due(now_s):
+            lease = pinned.pop(req_id, None)
+            if lease is not None:
+                result.ended.append(LeaseEnd(req_id, Outcome.RELEASED, now_s, lease))
+        for end in self.table.reap(now_s):
+            self.forget(end.req_id)
+            result.ended.append(end)
+        return result

@@ -5,6 +5,7 @@ from hypothesis import HealthCheck, Phase, find, given, settings
 from hypothesis import strategies as st
 
 from leasekit.lease import LeaseTiming
+from leasekit.lease.pkeeping import PLeaseKeeping
 from leasekit.lease.table import PLeaseTable
 from leasekit.sim import RequestSpec, World, WorldConfig
 from leasekit.sim import invariants as inv
@@ -128,3 +129,32 @@ def test_mutant_heartbeat_from_scheduling_is_caught():
 
 def test_mutant_non_idempotent_release_is_caught():
     assert "idempotent_release" in caught(NonIdempotentReleaseTable)
+
+
+def keeping_factory(timing):
+    """P's rules as LeaseKit's production worker applies them (leasekit.lease.pkeeping.PLeaseKeeping)."""
+    return PLeaseKeeping(timing, max_hold_s=max(480.0, timing.lease_duration_s))
+
+
+class ReapFirstKeeping(PLeaseKeeping):
+    """Mutant: reaps before it drains the step's notifications."""
+
+    def step(self, now_s, notifications=()):
+        ended = [*self.table.reap(now_s)]
+        result = super().step(now_s, notifications)
+        result.ended[:0] = ended
+        return result
+
+
+@SETTINGS
+@given(scenarios())
+def test_invariants_hold_with_ps_production_rules(scenario):
+    """The same properties with P's lease keeping as the production worker runs it (binding to the first
+    D agent, max hold, pledges, the expiry heap) in place of the reference table."""
+    w = build(scenario, keeping_factory)
+    assert violations(w) == {}
+    assert inv.fail_closed(w) == []
+
+
+def test_mutant_reap_first_of_the_production_rules_is_caught():
+    assert "no_premature_reclaim" in caught(lambda timing: ReapFirstKeeping(timing, max_hold_s=480.0))
