@@ -10,12 +10,16 @@ interleaved A B B A:
   ``vllm/v1/worker/kv_connector_model_runner_mixin.py`` ``_get_kv_connector_output``);
 - the step handling one heartbeat naming 16 leases and one completion, minus the empty step before it.
 
-Then memory per live lease at N = 10k (tracemalloc, after the grants and after 64 heartbeats each), and
-D's step with N tracked requests waiting (default 1k, 10k): a step with nothing due and a step sending
-the heartbeat of all of them. Medians over the timed steps; ratios against stock; PASS/FAIL per goal.
+Then memory per live lease at N = 10k (tracemalloc, after the grants and after 64 heartbeats each);
+blocked span sinks (:mod:`benchmarks.pstep.blocked`, N = 10k): LeaseKit P with a normal span file, with
+its span file frozen, and also exporting by OTLP to an endpoint that never answers, 3000 notification
+steps each, interleaved A B C C B A; and D's step with N tracked requests waiting (default 1k, 10k): a
+step with nothing due and a step sending the heartbeat of all of them. Medians over the timed steps;
+ratios against stock (blocked sinks: against the normal span file); PASS/FAIL per goal.
 
 Run: ``.venv/bin/python benchmarks/step_cost.py [--sizes 1000,10000,100000] [--steps 200] [--quick]
-[-o table|json] [--json PATH]``. Exit code 0 whatever the verdicts (non-zero only on a crash).
+[--blocked-n 10000] [--blocked-steps 3000] [--blocked-otlp-timeout 10] [-o table|json] [--json PATH]``.
+Exit code 0 whatever the verdicts (non-zero only on a crash).
 """
 
 from __future__ import annotations
@@ -57,6 +61,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds and finite, got {text!r}")
+    return value
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", type=_sizes, help="P: live leases N, comma-separated (default 1000,10000,100000; "
@@ -68,10 +82,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=_positive, default=4, help="A B B A rounds the steps are split over (default 4)")
     p.add_argument("--memory-n", type=int, help="N for memory per lease (default 10000; 0 skips)")
     p.add_argument("--memory-heartbeats", type=int, default=64, help="heartbeats per lease (default 64)")
-    p.add_argument("--blocked-n", type=int, help="N live leases for the frozen-span-sink comparison "
-                   "(default 10000; 0 skips)")
+    p.add_argument("--blocked-n", type=int, help="N live leases for the blocked-span-sink comparison (normal, "
+                   "frozen span file, OTLP endpoint that never answers; default 10000; 0 skips)")
     p.add_argument("--blocked-steps", type=int, default=3000,
                    help="notification steps per worker there (default 3000: more spans than the export queue holds)")
+    p.add_argument("--blocked-otlp-timeout", type=_seconds, default=10.0,
+                   help="OTEL_EXPORTER_OTLP_TIMEOUT of the OTLP side there, seconds (default 10, OpenTelemetry's)")
     p.add_argument("--memory-export-off", action="store_true",
                    help="also measure memory on LeaseKit with export off (about 1 min more at N=10k)")
     p.add_argument("--quick", action="store_true", help="a smoke run: N 1k,10k; D 1k; fewer steps; memory at 2k")
@@ -155,27 +171,33 @@ def run_memory(v, args: argparse.Namespace, tmp: Path, model_dir: str) -> dict:
 
 
 def run_blocked(v, args: argparse.Namespace, tmp: Path, model_dir: str) -> dict:
-    """LeaseKit P with a normal span file against LeaseKit P whose span file is frozen
-    (:mod:`benchmarks.pstep.blocked`), N live leases, notification steps interleaved A B B A."""
+    """LeaseKit P with a normal span file against LeaseKit P whose span file is frozen and LeaseKit P
+    that also exports by OTLP to an endpoint that never answers (:mod:`benchmarks.pstep.blocked`),
+    ``args.blocked_n`` live leases each, ``args.blocked_steps`` notification steps each, interleaved
+    A B C C B A. Returns ``{"n", "steps", "otlp_timeout_s", <label>: summary + dropped + failed}``
+    (:class:`benchmarks.pstep.measure.Samples` summary, µs; spans), the OTLP side with ``sinks`` too."""
     from benchmarks.pstep import blocked as K
     from benchmarks.pstep import drive as D
     from benchmarks.pstep import measure as M
 
     started = time.perf_counter()
     n = args.blocked_n
-    with K.frozen_span_dir(tmp / "blocked-frozen"):
+    with K.frozen_span_dir(tmp / "blocked-frozen"), K.otlp_black_hole() as url:
         sides = [D.PSide(v, R.LEASEKIT, leasekit=True, model_dir=model_dir, run_dir=str(tmp / "blocked-normal")),
                  D.PSide(v, R.LEASEKIT_BLOCKED, leasekit=True, model_dir=model_dir,
                          run_dir=str(tmp / "blocked-frozen"))]
+        sides.append(D.PSide(v, R.LEASEKIT_OTLP_BLOCKED, leasekit=True, model_dir=model_dir,  # OTLP: this side only
+                             run_dir=str(tmp / "blocked-otlp"), extra_env=K.otlp_env(url, args.blocked_otlp_timeout)))
         by_label = {side.label: side for side in sides}
         driver = M.PDriver(sides, n)
         reps = M.split(args.blocked_steps, args.rounds)
         M.interleave(list(by_label), args.rounds, lambda label, k: driver.notif_block(by_label[label], reps[k]))
-        entry = {"n": n, "steps": args.blocked_steps,
+        entry = {"n": n, "steps": args.blocked_steps, "otlp_timeout_s": args.blocked_otlp_timeout,
                  **{label: {**driver.samples[label].summary(), **K.unexported(by_label[label].worker)}
                     for label in by_label}}
-        teardown(sides)
-    log(f"frozen span sink N={n}: done in {time.perf_counter() - started:.1f} s")
+        entry[R.LEASEKIT_OTLP_BLOCKED]["sinks"] = K.sink_counts(by_label[R.LEASEKIT_OTLP_BLOCKED].worker)
+        teardown(sides)  # the OTLP side's shutdown waits up to the OTLP timeout for its stuck export
+    log(f"blocked span sinks N={n}: done in {time.perf_counter() - started:.1f} s")
     return entry
 
 
@@ -208,7 +230,7 @@ def run(args: argparse.Namespace) -> dict:
         "steps": args.steps, "notif_steps": args.notif_steps, "d_heartbeats": args.d_heartbeats,
         "rounds": args.rounds, "memory_n": args.memory_n, "memory_heartbeats": args.memory_heartbeats,
         "memory_export_off": args.memory_export_off, "blocked_n": args.blocked_n,
-        "blocked_steps": args.blocked_steps,
+        "blocked_steps": args.blocked_steps, "blocked_otlp_timeout_s": args.blocked_otlp_timeout,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "loadavg_start": list(os.getloadavg()),
     }, "p": [], "memory": {}, "d": []}
     with tempfile.TemporaryDirectory(prefix="leasekit-step-cost-") as tmp_name:

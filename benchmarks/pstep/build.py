@@ -32,7 +32,7 @@ import queue
 import threading
 from collections import defaultdict, deque
 from types import SimpleNamespace
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 NIXL_PKG = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
 LEASEKIT_MODULE = "leasekit.vllm.connector"
@@ -226,18 +226,20 @@ def make_stock_worker(v: SimpleNamespace, vllm_config, engine_id: str, agent_nam
 
 
 @contextlib.contextmanager
-def telemetry_env(export: bool) -> Iterator[None]:
+def telemetry_env(export: bool, extra: Mapping[str, str | None] | None = None) -> Iterator[None]:
     """The process environment while a LeaseKit worker is built: OTLP endpoints and chaos fault points
     unset; with ``export`` False, ``OTEL_SDK_DISABLED=true`` (OpenTelemetry's standard switch: the
-    SDK's ``TracerProvider`` then hands out no-op tracers, so no span is recorded nor exported).
-    Restored on exit (the SDK reads it once, when the provider is made)."""
-    names = (*OTLP_ENV, SDK_DISABLED_ENV, FAULT_FILE_ENV)
+    SDK's ``TracerProvider`` then hands out no-op tracers, so no span is recorded nor exported); then
+    ``extra`` applied (name -> value; None unsets). Restored on exit (the SDK reads it once, when the
+    provider is made)."""
+    names = (*OTLP_ENV, SDK_DISABLED_ENV, FAULT_FILE_ENV, *(extra or {}))
     saved = {name: os.environ.get(name) for name in names}
     try:
         for name in names:
             os.environ.pop(name, None)
         if not export:
             os.environ[SDK_DISABLED_ENV] = "true"
+        os.environ.update({name: value for name, value in (extra or {}).items() if value is not None})
         yield
     finally:
         for name, value in saved.items():
@@ -247,16 +249,17 @@ def telemetry_env(export: bool) -> Iterator[None]:
                 os.environ[name] = value
 
 
-def make_leasekit_worker(v: SimpleNamespace, vllm_config, engine_id: str, agent_name: str, *, export: bool = True):
+def make_leasekit_worker(v: SimpleNamespace, vllm_config, engine_id: str, agent_name: str, *, export: bool = True,
+                         extra_env: Mapping[str, str | None] | None = None):
     """``(worker, wrapper)``: ``LeaseKitPullWorker`` with the stock attributes set as vLLM's ``__init__``
     would, then LeaseKit's ``_lk_setup(engine_id)`` (it reads ``kv_transfer_config``, ``tp_rank`` and
-    ``nixl_wrapper``, which it wraps). ``export``: see :func:`telemetry_env`.
+    ``nixl_wrapper``, which it wraps). ``export``, ``extra_env``: see :func:`telemetry_env`.
 
     Raises:
         whatever ``_lk_setup`` raises for a bad configuration (LeaseKit's config errors)."""
     w = object.__new__(v.leasekit.LeaseKitPullWorker)
     wrapper = set_stock_attributes(w, v, vllm_config, engine_id, agent_name)
-    with telemetry_env(export):
+    with telemetry_env(export, extra_env):
         w._lk_setup(engine_id)
     return w, wrapper
 

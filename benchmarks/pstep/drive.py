@@ -60,7 +60,8 @@ class Side:
     """One scheduler-role and one worker-role connector of one kind; ``label`` names it in results."""
 
     def __init__(self, v: SimpleNamespace, label: str, *, leasekit: bool, kv_role: str, engine_id: str,
-                 agent_name: str, model_dir: str, run_dir: str | None, export: bool = True) -> None:
+                 agent_name: str, model_dir: str, run_dir: str | None, export: bool = True,
+                 extra_env: dict[str, str | None] | None = None) -> None:
         self.v, self.label, self.leasekit, self.export = v, label, leasekit, export
         self.config = B.make_vllm_config(v, model_dir, leasekit=leasekit, kv_role=kv_role, engine_id=engine_id,
                                          run_dir=run_dir)
@@ -68,7 +69,8 @@ class Side:
         cls = B.connector_classes(v, leasekit)
         self.scheduler = B.scheduler_connector(v, cls, self.config, kv_cache_config)
         if leasekit:
-            self.worker, self.wrapper = B.make_leasekit_worker(v, self.config, engine_id, agent_name, export=export)
+            self.worker, self.wrapper = B.make_leasekit_worker(v, self.config, engine_id, agent_name, export=export,
+                                                                 extra_env=extra_env)
         else:
             self.worker, self.wrapper = B.make_stock_worker(v, self.config, engine_id, agent_name)
         self.connector = B.worker_connector(v, cls, self.config, kv_cache_config, self.worker)

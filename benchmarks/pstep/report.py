@@ -3,7 +3,9 @@
 A result (``dict``, what ``-o json`` prints) holds ``p`` (one entry per N: per-side summaries of
 :class:`benchmarks.pstep.measure.Samples`), ``memory`` (per side) and ``d`` (one entry per N). Sides:
 ``stock`` (vLLM's ``NixlPullConnectorWorker``), ``leasekit`` (``LeaseKitPullWorker``, span export on),
-``leasekit_export_off`` (same, ``OTEL_SDK_DISABLED=true``).
+``leasekit_export_off`` (same, ``OTEL_SDK_DISABLED=true``). ``blocked`` (optional) holds ``n``, ``steps``,
+``otlp_timeout_s`` and per side (``leasekit``, ``leasekit_frozen_span_file``, ``leasekit_otlp_black_hole``)
+the summary plus ``dropped`` and ``failed`` (spans).
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ from typing import Any
 
 STOCK, LEASEKIT, LEASEKIT_OFF = "stock", "leasekit", "leasekit_export_off"
 LEASEKIT_BLOCKED = "leasekit_frozen_span_file"
-BLOCKED_GOAL = 1.10  # a frozen span sink leaves P's step within 10 % of normal
+LEASEKIT_OTLP_BLOCKED = "leasekit_otlp_black_hole"
+BLOCKED_GOAL = 1.10  # a blocked span sink (frozen file, OTLP endpoint that never answers) leaves P's step within 10 % of normal
+BLOCKED_SIDES = {LEASEKIT_BLOCKED: "a frozen span file", LEASEKIT_OTLP_BLOCKED: "an OTLP endpoint that never answers"}
 SIDES = (STOCK, LEASEKIT, LEASEKIT_OFF)
 NOTIF_GOAL_US = 100.0
 MEMORY_GOAL_BYTES = 1024.0
@@ -73,14 +77,16 @@ def goals(result: dict[str, Any]) -> list[dict[str, Any]]:
                 "verdict": verdict(None if not measured_as_goal else value <= MEMORY_GOAL_BYTES,
                                    bool(memory) and memory.get("unexpected_releases", 0) == 0)})
     blocked = result.get("blocked")
-    if blocked:
-        normal, frozen = blocked[LEASEKIT], blocked[LEASEKIT_BLOCKED]
-        value = ratio(frozen.get("notif_us"), normal.get("notif_us"))
-        out.append({"goal": f"P step with a frozen span file, N={blocked['n']}: <= {BLOCKED_GOAL}x normal, "
-                            "and the spans it could not write counted",
+    for side, what in BLOCKED_SIDES.items():
+        stuck = blocked.get(side) if blocked else None
+        if not stuck:
+            continue  # a result from before this side existed
+        value = ratio(stuck.get("notif_us"), blocked[LEASEKIT].get("notif_us"))
+        out.append({"goal": f"P step with {what}, N={blocked['n']}: <= {BLOCKED_GOAL}x normal, "
+                            "and the spans it could not export counted",
                     "value": value, "limit": BLOCKED_GOAL,
-                    "verdict": verdict(None if value is None else value <= BLOCKED_GOAL and frozen["dropped"] > 0,
-                                       _valid(blocked, LEASEKIT, LEASEKIT_BLOCKED))})
+                    "verdict": verdict(None if value is None else value <= BLOCKED_GOAL and stuck["dropped"] > 0,
+                                       _valid(blocked, LEASEKIT, side))})
     return out
 
 
@@ -151,12 +157,16 @@ def render(result: dict[str, Any]) -> str:
     blocked = result.get("blocked")
     if blocked:
         rows = []
-        for side in (LEASEKIT, LEASEKIT_BLOCKED):
-            e = blocked[side]
-            rows.append([side, blocked["n"], _f(e.get("notif_us")), _f(e.get("notif_p99_us")),
-                         _f(ratio(e.get("notif_us"), blocked[LEASEKIT].get("notif_us")), ".2f"), e["dropped"], e["failed"]])
-        parts.append(f"P with a frozen span file (a FIFO nobody reads), {blocked['steps']} notification steps each "
-                     "(heartbeat + completion: one span ended per step)\n" + _table(
+        for side in (LEASEKIT, *BLOCKED_SIDES):
+            e = blocked.get(side)
+            if e:
+                rows.append([side, blocked["n"], _f(e.get("notif_us")), _f(e.get("notif_p99_us")),
+                             _f(ratio(e.get("notif_us"), blocked[LEASEKIT].get("notif_us")), ".2f"),
+                             e["dropped"], e["failed"]])
+        timeout = blocked.get("otlp_timeout_s")
+        parts.append(f"P with a blocked span sink: a frozen span file (a FIFO nobody reads), an OTLP endpoint that "
+                     f"never answers{f' (timeout {timeout:g} s)' if timeout else ''}; {blocked['steps']} notification "
+                     "steps each (heartbeat + completion: one span ended per step)\n" + _table(
                          ["worker", "N", "step µs", "p99 µs", "x normal", "spans dropped", "export failures"], rows))
     bad = [f"{kind} N={e['n']} {side}: {e[side]['unexpected_releases']}" for kind in ("p", "d")
            for e in result.get(kind, []) for side in SIDES if e.get(side, {}).get("unexpected_releases")]

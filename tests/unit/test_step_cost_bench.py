@@ -7,6 +7,7 @@ Needs vLLM (CPU) and LeaseKit's connector; fails without them unless ``LEASEKIT_
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -165,3 +166,113 @@ def test_a_frozen_span_file_blocks_only_the_exporter_and_its_spans_are_counted(v
         assert K.unexported(normal.worker) == {"dropped": 0, "failed": 0}
         for side in (normal, frozen):
             side.connector.shutdown()
+
+
+def _black_hole_sockets(port: int) -> list:
+    """This process's TCP sockets on local port ``port`` (the black hole's listener and accepted ones)."""
+    import psutil
+
+    return [c for c in psutil.Process().net_connections(kind="tcp") if c.laddr and c.laddr.port == port]
+
+
+def _black_hole_threads() -> list:
+    import threading
+
+    from benchmarks.pstep import blocked as K
+
+    return [t for t in threading.enumerate() if t.name == K.BLACK_HOLE_THREAD]
+
+
+def test_the_otlp_black_hole_accepts_never_answers_and_leaves_nothing_behind():
+    import socket
+    from urllib.parse import urlsplit
+
+    from benchmarks.pstep import blocked as K
+
+    with K.otlp_black_hole() as url:
+        port = urlsplit(url).port
+        assert urlsplit(url).hostname == "127.0.0.1" and port
+        client = socket.create_connection(("127.0.0.1", port), timeout=2)
+        client.sendall(b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n\r\nx")
+        client.settimeout(0.3)
+        with pytest.raises(socket.timeout):
+            client.recv(1)  # no answer, no close
+        assert len(_black_hole_threads()) == 1
+        assert any(c.status == "LISTEN" for c in _black_hole_sockets(port))
+    assert not _black_hole_threads() and not _black_hole_sockets(port)
+    client.settimeout(2)
+    try:  # closed by the black hole on exit: reset (it left our bytes unread) or end of stream
+        assert client.recv(1) == b""
+    except ConnectionResetError:
+        pass
+    client.close()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=2)
+
+
+def test_the_otlp_side_is_built_with_its_endpoint_only_and_the_environment_is_restored(monkeypatch):
+    import os
+
+    from benchmarks.pstep import blocked as K
+
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://user-collector:4318")  # the user's: not used
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc")  # would override the protocol
+    before = dict(os.environ)
+    with B.telemetry_env(True, K.otlp_env("http://127.0.0.1:9", timeout_s=1.5)):
+        assert os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://127.0.0.1:9"
+        assert os.environ["OTEL_EXPORTER_OTLP_PROTOCOL"] == "http/protobuf"
+        assert os.environ["OTEL_EXPORTER_OTLP_TIMEOUT"] == "1.5"
+        assert "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL" not in os.environ
+    assert os.environ == before
+    with B.telemetry_env(True):
+        assert "OTEL_EXPORTER_OTLP_ENDPOINT" not in os.environ  # the other sides: OTLP off
+    with pytest.raises(ValueError, match="timeout_s"):
+        K.otlp_env("http://127.0.0.1:9", timeout_s=0)
+
+
+def test_run_blocked_times_the_otlp_black_hole_side_and_counts_its_spans(v, model_dir, tmp_path, monkeypatch):
+    """``step_cost.run_blocked`` at N = 50: the third side's worker exports by OTLP to a real endpoint
+    that never answers (its first batch of 512 spans hangs, then fails), every step still completes, the
+    result and the report have the side's median, ratio and counts, and afterwards nothing of the black
+    hole is left (no thread, no socket) and the environment is as before."""
+    import os
+    from urllib.parse import urlsplit
+
+    from benchmarks import step_cost as S
+    from benchmarks.pstep import blocked as K
+
+    urls, black_hole = [], K.otlp_black_hole
+
+    @contextlib.contextmanager
+    def recording(*a, **kw):
+        with black_hole(*a, **kw) as url:
+            urls.append(url)
+            yield url
+
+    monkeypatch.setattr(K, "otlp_black_hole", recording)
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
+    otel = lambda: {k: x for k, x in os.environ.items() if k.startswith("OTEL_")}  # noqa: E731 (vLLM sets others)
+    env, steps = otel(), 600  # > 512 spans: one full OTLP batch goes out during the run
+    args = S.parse_args(["--blocked-n", str(N), "--blocked-steps", str(steps), "--rounds", "2",
+                         "--blocked-otlp-timeout", "1"])
+    entry = S.run_blocked(v, args, tmp_path, model_dir)
+
+    otlp = entry[R.LEASEKIT_OTLP_BLOCKED]
+    assert otlp["unexpected_releases"] == 0 and otlp["notif_n"] == steps
+    assert otlp["notif_us"] > 0 and entry[R.LEASEKIT]["notif_us"] > 0
+    assert isinstance(otlp["dropped"], int) and isinstance(otlp["failed"], int)
+    sink = otlp["sinks"]["otlp"]
+    assert sink["ended"] == steps and sink["exported"] == 0  # nothing ever succeeds against the black hole
+    assert sink["exporting"] + sink["failed"] >= 512  # the first full batch met the endpoint and hung
+    assert set(entry[R.LEASEKIT_BLOCKED]) >= {"notif_us", "dropped", "failed"}
+
+    goal = next(g for g in R.goals({"blocked": entry}) if "OTLP endpoint that never answers" in g["goal"])
+    assert goal["value"] == pytest.approx(otlp["notif_us"] / entry[R.LEASEKIT]["notif_us"])
+    assert goal["verdict"] in ("PASS", "FAIL")
+    table = R.render({"blocked": entry})
+    assert R.LEASEKIT_OTLP_BLOCKED in table and "timeout 1 s" in table
+
+    assert len(urls) == 1
+    port = urlsplit(urls[0]).port
+    assert not _black_hole_threads() and not _black_hole_sockets(port)
+    assert otel() == env
