@@ -108,6 +108,8 @@ class LeaseSpanRecorder:
         self._observers = tuple(observers)
         self._on_extend = tuple(o.on_extend for o in observers if hasattr(o, "on_extend"))
         self._extend_observers = tuple(o for o in observers if not hasattr(o, "on_extend"))
+        self._wants = {kind: tuple((o, getattr(o, "wants", None)) for o in pool)  # (observer, its filter or None)
+                       for kind, pool in ((True, self._extend_observers), (False, self._observers))}
         self._spans = spans if spans is not None else SpanBuilder(background=False)
         self._open: dict[str, _OpenLease] = {}
         self._ended: OrderedDict[str, tuple[str, float]] = OrderedDict()  # req_id -> (outcome, end s)
@@ -149,13 +151,12 @@ class LeaseSpanRecorder:
         return sum(1 for lease in self._open.values() if lease.deadline_s < limit)
 
     def _emit(self, kind: str, req_id: str, now: float, **fields) -> None:
-        pool = self._extend_observers if kind == ev.EXTEND else self._observers
-        observers = [o for o in pool if getattr(o, "wants", None) is None or o.wants(kind)]
-        if not observers:
-            return
-        event = LeaseEvent(kind, req_id, self._engine_id, self._tp_rank, self._kv_role, now, **fields)
-        for observer in observers:
-            observer(event)
+        event = None  # built only if some observer wants this kind (most heartbeats: none does)
+        for observer, wants in self._wants[kind == ev.EXTEND]:
+            if wants is None or wants(kind):
+                if event is None:
+                    event = LeaseEvent(kind, req_id, self._engine_id, self._tp_rank, self._kv_role, now, **fields)
+                observer(event)
 
     # -- transitions -----------------------------------------------------------------------
     def grant(
@@ -211,9 +212,11 @@ class LeaseSpanRecorder:
                 kept.extend((now - lease.grant_s, deadline_s - lease.grant_s))
         for on_extend in self._on_extend:  # the per-heartbeat fast path (no event object)
             on_extend(lease.remote_agent, gap_s)
-        if self._extend_observers:
-            self._emit(ev.EXTEND, req_id, now, remote_agent=lease.remote_agent, gap_s=gap_s,
-                       deadline_remaining_s=deadline_s - now)
+        for _observer, wants in self._wants[True]:
+            if wants is None or wants(ev.EXTEND):  # someone logs extensions: build the event once
+                self._emit(ev.EXTEND, req_id, now, remote_agent=lease.remote_agent, gap_s=gap_s,
+                           deadline_remaining_s=deadline_s - now)
+                break
         return True
 
     def retrieval(self, req_id: str, *, remote_agent: str | None = None, now: float | None = None) -> bool:

@@ -122,3 +122,25 @@ def test_kept_extension_events_are_the_first_and_the_latest_with_their_counts():
     assert span.attributes[sc.EXTEND_COUNT] == 20 and span.attributes[sc.EXTEND_EVENTS_DROPPED] == 12
     assert [e.name for e in span.events][-3:] == ["extend", "retrieval", "release"]  # time order
     assert all(a.timestamp <= b.timestamp for a, b in zip(span.events, span.events[1:]))
+
+
+def test_an_extension_event_is_built_only_for_observers_that_want_it():
+    """Per-heartbeat cost: an observer whose ``wants`` refuses extensions (a lease log above DEBUG) gets no
+    extension event and none is built; one without ``wants`` gets every event; other kinds still reach both."""
+    seen = {"picky": [], "all": []}
+
+    class Picky:
+        def wants(self, kind):
+            return kind != "extend"
+
+        def __call__(self, event):
+            seen["picky"].append(event.kind)
+
+    rec = recorder(InMemorySpanExporter(), observers=(Picky(), lambda event: seen["all"].append(event.kind)))
+    rec.grant("R1", 130.0, now=100.0)
+    rec.extend("R1", 135.0, remote_agent="d", now=105.0)
+    rec.release("R1", now=106.0)
+    assert seen == {"picky": ["grant", "release"], "all": ["grant", "extend", "release"]}
+    only_picky = recorder(InMemorySpanExporter(), observers=(Picky(),))
+    only_picky.grant("R2", 130.0, now=100.0)
+    assert only_picky.extend("R2", 135.0, now=105.0) and seen["picky"][-1] == "grant"
