@@ -5,7 +5,8 @@ Pure logic (no vLLM, no I/O, clocks passed in). The protocol (docs/fail-closed.m
 
 - P's scheduler adds ``"leasekit_pledge": [until_us, clock_id]`` to the ``kv_transfer_params`` of a
   marked grant (integer microseconds, rounded down: a router re-encoding floats cannot round it up):
-  ``until_us / 1e6`` is ``min(grant + W, lease deadline)`` on P's ``time.perf_counter``
+  ``until_us / 1e6`` is ``min(grant + W, grant + (deadline - grant) / K)`` on P's ``time.perf_counter``
+  (:func:`pledge_until`)
   (``W`` = ``leasekit_pledge_s``), ``clock_id`` names that clock (:func:`leasekit.vllm.clockid.local_clock_id`).
   P's worker frees the blocks no earlier than ``until_s`` even after D's completion (it holds them back)
   and its lease deadline is never earlier than ``until_s`` either, so no path frees them before: not a

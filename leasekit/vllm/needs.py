@@ -122,7 +122,8 @@ _CLASSES_032 = (
         "device_type",
     ), keyword_calls=("_read_blocks",),
         # LeaseKit's reaper hands vLLM's the due leases by narrowing self._reqs_to_send for the call
-        # (leasekit/vllm/connector.py): the method must still reap from that map and do its accounting
+        # (leasekit/vllm/prefill/expiry.py): the method must still reap from that map and do its accounting.
+        # _handle_heartbeat is not called by LeaseKit: it is how a stock P parses a LeaseKit D's heartbeats
         writes={"_reap_expired_send_leases": ("_reqs_to_send", "_reqs_to_process", "record_kv_expired_req",
                                               "consumer_notification_counts_by_req")}),
     ClassNeeds(f"{NIXL}.pull_scheduler", "NixlPullConnectorScheduler", methods={

@@ -150,7 +150,9 @@ class ReapFirstKeeping(PLeaseKeeping):
 @given(scenarios())
 def test_invariants_hold_with_ps_production_rules(scenario):
     """The same properties with P's lease keeping as the production worker runs it (binding to the first
-    D agent, max hold, pledges, the expiry heap) in place of the reference table."""
+    D agent, max hold, the expiry heap) in place of the reference table. The simulator makes no grant
+    pledge (``pledge_s`` 0) and grants instantly (no completion before a grant): those rules are
+    tests/unit/test_pkeeping.py's."""
     w = build(scenario, keeping_factory)
     assert violations(w) == {}
     assert inv.fail_closed(w) == []

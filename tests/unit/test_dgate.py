@@ -256,3 +256,16 @@ def test_junk_in_the_verdict_inbox_is_dropped_and_counted():
     push.close(linger=0)
     ctx.term()
     d.gate.close()
+
+
+def test_the_p_engines_d_remembers_are_bounded(monkeypatch):
+    """P engine ids come from request parameters (anyone who can send D a request names one): D keeps at
+    most MAX_ENGINE_HOSTS of them, the most recent, as it does for their hosts."""
+    import leasekit.vllm.decode.gate as gate_module
+
+    monkeypatch.setattr(gate_module, "MAX_ENGINE_HOSTS", 3)
+    d = make_d()
+    d.gate.protect([[f"d{i}", f"P{i}", "10.0.0.1", None] for i in range(10)])
+    assert list(d.gate._protocol_engines) == ["P7", "P8", "P9"] and list(d.gate._engine_hosts) == ["P7", "P8", "P9"]
+    d.gate.protect([["d10", "P8", "10.0.0.2", None]])
+    assert list(d.gate._protocol_engines) == ["P7", "P9", "P8"]

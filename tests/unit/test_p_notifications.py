@@ -166,3 +166,27 @@ def test_settings_refuse_bad_values_with_the_field_and_range():
         notification_settings({"leasekit_max_hold_s": 3}, 6)
     with pytest.raises(NotificationConfigError, match=r"leasekit_max_notification_bytes='big'"):
         notification_settings({"leasekit_max_notification_bytes": "big"}, 6)
+
+
+def test_a_telemetry_failure_in_a_completion_leaves_no_lease_half_released():
+    """vLLM's maps take the keeping's decision before any telemetry runs: a recorder that fails on the
+    completion still leaves the lease released once (not left in ``_reqs_to_send``, unbound, for a forger to
+    bind and the reaper to free a second time)."""
+    w = Worker()
+    w.grant("r", time.perf_counter())
+    w.step({"d0": [b"HB:r"]})
+    real, calls = w.recorder.retrieval, []
+
+    def failing(*a, **k):
+        calls.append(a)
+        raise RuntimeError("telemetry bug")
+
+    w.recorder.retrieval = failing
+    assert w.step({"d0": [b"r:1"]}) == {"r"} and calls
+    w.recorder.retrieval = real
+    assert "r" not in w.send and "r" not in w.process and w.keeping.table.get("r") is None
+    assert w.drops() == {}, "not an internal_error: the completion took effect"
+    deadline = time.perf_counter() + 2 * L
+    assert w.step({"forger": [b"HB:r"]}) == set() and "r" not in w.send
+    reaped: set = set()
+    assert w.leases.reap(w.state, reaped, lambda ds: None, deadline) == [] and reaped == set()

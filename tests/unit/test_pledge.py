@@ -298,3 +298,15 @@ def test_a_parked_completion_whose_grant_never_comes_is_forgotten_after_the_max_
     w.pledges.early["r"] -= 7.0
     w.pledges.sweep(time.perf_counter())
     assert w.pledges.early == {} and "r" not in w.state.consumer_counts
+
+
+def test_counts_of_a_completion_before_a_grant_that_never_comes_are_forgotten():
+    """A counted completion (``n = 2``) for a request still prefilling that P then aborts: vLLM keeps its
+    count for ever (stock too); P's sweep drops it once the request is neither live nor prefilling."""
+    w = Worker()
+    w.process.add("r")
+    w.step({"d0": [b"r:2"]})
+    assert w.state.consumer_counts["r"] == 1
+    w.process.discard("r")  # aborted on P
+    w.pledges.sweep(time.perf_counter())
+    assert "r" not in w.state.consumer_counts

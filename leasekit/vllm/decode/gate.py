@@ -112,7 +112,7 @@ class DReadGate:
         self._hello_msgs: dict[str, tuple[str, bytes]] = {}  # P host -> (inbox endpoint routed to it, hello)
         self._engine_hosts: dict[str, str] = {}  # P engine id -> its side-channel host
         self._read_digests: dict[str, str] = {}  # only with fault points (kvdigest.py)
-        self._protocol_engines: set[str] = set()
+        self._protocol_engines: dict[str, None] = {}  # P engine ids that speak the protocol (most recent last)
 
     def close(self) -> None:
         """Close the verdict inbox (worker shutdown)."""
@@ -126,7 +126,11 @@ class DReadGate:
             host = rest[:1]
             self.gate.protect(request_id, parse_pledge(rest[1]) if len(rest) > 1 else None)
             if engine_id:
-                self._protocol_engines.add(str(engine_id))
+                engines = self._protocol_engines  # bounded: engine ids come from request parameters
+                engines.pop(str(engine_id), None)
+                engines[str(engine_id)] = None
+                if len(engines) > MAX_ENGINE_HOSTS:
+                    del engines[next(iter(engines))]
                 if host and host[0]:
                     self._engine_hosts.pop(str(engine_id), None)  # most recent last
                     self._engine_hosts[str(engine_id)] = str(host[0])

@@ -67,7 +67,6 @@ class PNotificationIntake:
         stats: the lease stats observer (``dropped``).
         errors: :class:`leasekit.vllm.taps.TelemetryErrors` (telemetry failures, never raised).
         max_bytes: the largest notification handled (bytes).
-        max_hold_s: ``leasekit_max_hold_s`` (seconds after a grant no heartbeat extends past).
 
     Never raises for anything a peer sent.
     """
@@ -84,7 +83,8 @@ class PNotificationIntake:
         """Handle one step's notifications (``batch``: NIXL agent name -> raw messages, as
         ``nixl_wrapper.get_new_notifs()`` returns them) at ``now`` (s, read before any handling:
         extensions are never later than stock's), then release the pledged leases whose pledge ended.
-        Returns the request ids whose blocks every consumer read (stock ``_get_new_notifs`` contract)."""
+        Returns the request ids whose blocks every consumer read (stock ``_get_new_notifs`` contract).
+        Never raises: an unexpected error on one message drops that message (``internal_error``)."""
         done: set[str] = set()
         for agent, messages in batch.items():
             heartbeats_seen: set[bytes] = set()
@@ -119,7 +119,7 @@ class PNotificationIntake:
     def heartbeat(self, agent: str, req_ids: tuple[str, ...], now: float) -> None:
         """One decoded heartbeat of ``agent`` at ``now`` (s): each id P holds and ``agent`` may extend gets
         ``deadline = max(deadline, min(now + E, grant + max hold))``; a hello or sequence token in it goes
-        to the verdict channel."""
+        to the verdict channel. May raise on an internal error (:meth:`drain` catches it per message)."""
         extension = self.state.lease_extension_s
         seq, hello, req_ids = split_protocol_ids(req_ids)
         if hello is not None:
@@ -155,7 +155,9 @@ class PNotificationIntake:
 
     def completion(self, agent: str, message: Completion, now: float, done: set[str]) -> None:
         """One decoded completion of ``agent`` at ``now`` (s); a request whose last consumer reported goes
-        to ``done`` (or waits for its pledge, or for its grant)."""
+        to ``done`` (or waits for its pledge, or for its grant). vLLM's maps are updated before any
+        telemetry, so a telemetry failure cannot leave a lease half released. May raise on an internal
+        error before the keeping decided (:meth:`drain` catches it per message)."""
         req_id, state = message.req_id, self.state
         granted, prefilled = req_id in state.reqs_to_send, req_id in state.reqs_to_process
         live = granted or prefilled or self.keeping.pledges.holding(req_id)
@@ -184,13 +186,17 @@ class PNotificationIntake:
         if result == FOREIGN:
             self.drop("foreign_completion", agent, f"request {req_id} is bound to another agent")
             return
-        self.recorder.retrieval(req_id, remote_agent=agent, now=now)
-        state.consumer_counts[req_id] += 1
+        state.consumer_counts[req_id] += 1  # vLLM's side first: the keeping's decision is applied whatever follows
         if result in (RELEASED, DEFERRED):  # EARLY: held until its grant reaches this worker (prefill/pledges.py)
             state.take_out(req_id)
             if result == RELEASED:  # DEFERRED: freed when its pledge ends
                 done.add(req_id)
+        try:  # telemetry last: a failure here cannot leave the lease half released
+            self.recorder.retrieval(req_id, remote_agent=agent, now=now)
+            if result == RELEASED:
                 self.recorder.release(req_id, now=now)
+        except Exception as exc:
+            self.errors.report("completion", exc)
 
     def expiry_cause(self, req_id: str) -> str | None:
         """``max_hold`` when ``req_id``'s deadline sits at its cap, else None (the recorder decides)."""

@@ -131,12 +131,14 @@ class PledgeHolds:
                                   exc, event="pledge_release_error")
 
     def sweep(self, now: float) -> None:
-        """Forget the pledges of leases that ended another way (expired, aborted), and early completions
-        whose request was aborted on P or never granted within the max hold: once per step at ``now``
-        (s), O(1) unless there is garbage."""
+        """Forget the pledges of leases that ended another way (expired, aborted), completion counts of
+        requests P no longer holds (counted before a grant that never came: stock vLLM keeps them for
+        ever), and early completions whose request was aborted on P or never granted within the max hold:
+        once per step at ``now`` (s), O(1) unless there is garbage."""
         send, book = self.state.reqs_to_send, self.book
         if len(book.holds) > len(send):
             book.holds = {k: v for k, v in book.holds.items() if k in send}
+        self.state.sweep_consumer_counts(book.early)
         if book.early:
             oldest, process = now - self.keeping.max_hold_s, self.state.reqs_to_process
             for req_id in [k for k, t in book.early.items() if k not in process or t < oldest]:

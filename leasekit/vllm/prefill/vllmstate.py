@@ -71,6 +71,19 @@ class VllmSendState:
         self._worker.consumer_notification_counts_by_req.pop(req_id, None)
         self._worker.expected_consumer_notifications_by_req.pop(req_id, None)
 
+    def sweep_consumer_counts(self, keep: dict | set = frozenset()) -> int:
+        """Drop vLLM's completion counts of requests that are in neither ``_reqs_to_send`` nor
+        ``_reqs_to_process`` nor ``keep``; O(1) unless there are more counts than those. Returns how
+        many were dropped."""
+        counts = self._worker.consumer_notification_counts_by_req
+        send, process = self._worker._reqs_to_send, self._worker._reqs_to_process
+        if len(counts) <= len(send) + len(process) + len(keep):
+            return 0
+        stale = [k for k in counts if k not in send and k not in process and k not in keep]
+        for req_id in stale:
+            self.forget_consumer_counts(req_id)
+        return len(stale)
+
     def take_out(self, req_id: str) -> None:
         """Remove a released lease from vLLM's lease maps (counts, ``_reqs_to_process``,
         ``_reqs_to_send``): no heartbeat extends it and vLLM's reaper never sees it."""
