@@ -14,8 +14,8 @@ heartbeat also reaches the metrics (``leasekit_kv_lease_extensions_total``, the 
 through the observers.
 
 Times passed in are seconds on the worker's ``time.perf_counter`` (where vLLM keeps lease deadlines,
-vllm 0.32.0 ``base_worker.py: _reqs_to_send``); every event records it as ``leasekit.monotonic_s``.
-A process killed while a lease is open writes no span for it (as before: a span is exported when it ends).
+vllm 0.32.0 ``base_worker.py: _reqs_to_send``), recorded as ``leasekit.monotonic_s``. A process killed
+while a lease is open writes no span for it (a span is exported when it ends).
 """
 
 from __future__ import annotations
@@ -53,8 +53,7 @@ class _OpenLease:
     retrievals: int = 0
     last_extend_s: float | None = None
     remote_agent: str | None = None
-    extends: Any = None  # array('f'): kept extension events, flattened (now_s - grant_s, deadline_s - grant_s):
-    # the first, then the latest (float32 offsets: within 0.1 ms over a lease's whole max hold)
+    extends: Any = None  # array('f'), flat (now_s - grant_s, deadline_s - grant_s): the first, then the latest
     reads: tuple = ()  # kept retrieval events: ((now_s, remote_agent), ...)
     extra: tuple = ()  # annotate(): (key, value, key, value, ...)
 
@@ -108,8 +107,8 @@ class LeaseSpanRecorder:
         self._observers = tuple(observers)
         self._on_extend = tuple(o.on_extend for o in observers if hasattr(o, "on_extend"))
         self._extend_observers = tuple(o for o in observers if not hasattr(o, "on_extend"))
-        self._wants = {kind: tuple((o, getattr(o, "wants", None)) for o in pool)  # (observer, its filter or None)
-                       for kind, pool in ((True, self._extend_observers), (False, self._observers))}
+        self._wants = {ext: tuple((o, getattr(o, "wants", None)) for o in (self._extend_observers if ext else observers))
+                       for ext in (True, False)}  # extension or not -> (observer, its filter or None)
         self._spans = spans if spans is not None else SpanBuilder(background=False)
         self._open: dict[str, _OpenLease] = {}
         self._ended: OrderedDict[str, tuple[str, float]] = OrderedDict()  # req_id -> (outcome, end s)
@@ -145,9 +144,8 @@ class LeaseSpanRecorder:
         return None if lease is None else lease.grant_s
 
     def expiring_within(self, seconds: float, now: float | None = None) -> int:
-        """How many open leases have a deadline less than ``seconds`` away (O(open leases))."""
-        now = self._clock() if now is None else now
-        limit = now + seconds
+        """How many open leases have a deadline less than ``seconds`` away (O(open leases); tests only)."""
+        limit = (self._clock() if now is None else now) + seconds
         return sum(1 for lease in self._open.values() if lease.deadline_s < limit)
 
     def _emit(self, kind: str, req_id: str, now: float, **fields) -> None:
@@ -214,8 +212,7 @@ class LeaseSpanRecorder:
             on_extend(lease.remote_agent, gap_s)
         for _observer, wants in self._wants[True]:
             if wants is None or wants(ev.EXTEND):  # someone logs extensions: build the event once
-                self._emit(ev.EXTEND, req_id, now, remote_agent=lease.remote_agent, gap_s=gap_s,
-                           deadline_remaining_s=deadline_s - now)
+                self._emit(ev.EXTEND, req_id, now, remote_agent=lease.remote_agent, gap_s=gap_s, deadline_remaining_s=deadline_s - now)
                 break
         return True
 
