@@ -104,6 +104,21 @@ def overload_tokens(queue_wait_s: float, requests: int, step_s: float, most: int
     return max(least, min(most, math.ceil(queue_wait_s / (requests * step_s))))
 
 
+def queue_forming_tokens(tokens: int, requests: int, prefill_s: float, step_s: float, most: int,
+                         margin: float = 1.5) -> int:
+    """Decode tokens per request so that, with prefills routed one after another (``prefill_s`` seconds
+    each, measured on the first) and D serving one request at a time (``step_s`` seconds per token), the
+    first decode outlasts the ``requests - 1`` prefills after it by ``margin``: every routed request then
+    sits in D's queue at once, however slow P is. At least ``tokens``, at most ``most``.
+
+    Raises:
+        ValueError: ``step_s`` not positive, or ``most`` < 1."""
+    if not step_s > 0 or most < 1:
+        raise ValueError(f"step_s ({step_s}) must be > 0 s and most ({most}) >= 1")
+    needed = math.ceil(margin * max(0, requests - 1) * max(0.0, prefill_s) / step_s)
+    return min(most, max(tokens, needed))
+
+
 @dataclass
 class SlotHolder:
     """Holds ``slots`` of D's running slots with one streamed completion of ``n = slots`` samples
@@ -253,9 +268,10 @@ class QueuedDecodeLoad:
                     f"running={self._gauge('vllm:num_requests_running')}, holder HTTP {self.holder.status} "
                     f"{self.holder.error or ''}); is D's --max-num-seqs topology.decode_max_num_seqs = {self.decode_slots}?")
             self.slot_held_at = time.monotonic()
+        most = self.decode_tokens
         if self.kind == "overload" and self.queue_wait_s is not None:
             self.decode_step_s = measure_decode_step_s(router.decode_url, self.pair.prompt(16))
-            self.decode_tokens = overload_tokens(self.queue_wait_s, self.requests, self.decode_step_s, self.decode_tokens)
+            self.decode_tokens = overload_tokens(self.queue_wait_s, self.requests, self.decode_step_s, most)
         for index in range(self.requests):
             prompt = self.pair.prompt(self.prompt_tokens)
             prefill = router.prefill(prompt)
@@ -263,6 +279,9 @@ class QueuedDecodeLoad:
             self.prompts.append(prompt)
             if not prefill.ok:
                 raise WorkloadError(f"prefill {index} failed on P: HTTP {prefill.status} {prefill.error}")
+            if index == 0 and self.decode_step_s:  # overload: the first decode outlasts every later prefill
+                self.decode_tokens = queue_forming_tokens(self.decode_tokens, self.requests, prefill.latency_s,
+                                                          self.decode_step_s, most)
             if self.intent[index] == "never":
                 continue
             timeout = self.cancel_after_s if self.intent[index] == "cancel" else None

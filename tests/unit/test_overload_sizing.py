@@ -95,3 +95,19 @@ def test_the_catalog_overload_waits_three_leases_at_any_lease():
     # a CPU D (80 ms steps) and a GPU D (15 ms steps) both keep the last request ~3L in the queue
     assert overload_tokens(90, 8, 0.08, at_30.workload.decode_tokens) == 141
     assert overload_tokens(90, 8, 0.015, at_30.workload.decode_tokens) == 750
+
+
+@pytest.mark.parametrize("tokens,prefill_s,step_s,most,expect", [
+    (45, 0.1, 0.05, 1000, 45),   # fast prefills: the queue-wait sizing already outlasts them
+    (45, 0.5, 0.05, 1000, 105),  # slow P: 1.5 x 7 prefills of 0.5 s = 5.25 s of decode = 105 tokens
+    (45, 5.0, 0.05, 1000, 1000),  # capped at the scenario's decode_tokens
+])
+def test_the_first_decode_outlasts_the_later_prefills(tokens, prefill_s, step_s, most, expect):
+    from leasekit.chaos.workload import queue_forming_tokens
+
+    got = queue_forming_tokens(tokens, 8, prefill_s, step_s, most)
+    assert got == expect
+    if got < most:
+        assert got * step_s >= 1.5 * 7 * prefill_s - step_s  # D's first request ends after the 8th arrives
+    with pytest.raises(ValueError, match="step_s"):
+        queue_forming_tokens(tokens, 8, prefill_s, 0.0, most)
