@@ -229,10 +229,11 @@ class LeaseKitPullWorker(PHooks, DHooks, NixlPullConnectorWorker):
         super().start_load_kv(metadata)
         self._lk_dbeats.track(getattr(metadata, METADATA_TRACKED_ATTR, None),
                               getattr(metadata, METADATA_UNTRACKED_ATTR, None))
+        now = time.perf_counter()
         if metadata.reqs_to_send:
-            self._lk_p.leases.index(metadata.reqs_to_send, time.perf_counter())  # outside the telemetry guard
+            self._lk_p.leases.index(metadata.reqs_to_send, now)  # outside the telemetry guard
             self._lk_grants(metadata)
-        self._lk_p.pledges.take(metadata, time.perf_counter())
+        self._lk_p.pledges.take(metadata, now)
 
 
     def _lk_grants(self, metadata: Any) -> None:

@@ -1,6 +1,7 @@
 """ExpiryIndex: P's expiry heap kept in step with vLLM's ``_reqs_to_send`` (the source of truth)."""
 
 from leasekit.lease import LeaseTiming
+from leasekit.lease.pkeeping import PLeaseKeeping
 from leasekit.vllm.prefill.expiry import AUDIT_INTERVAL_S, ExpiryIndex
 
 T6 = LeaseTiming.from_lease_duration(6)
@@ -8,7 +9,7 @@ T6 = LeaseTiming.from_lease_duration(6)
 
 def test_due_follows_the_dict_not_the_heap():
     stamped = {"A": 106.0, "B": 107.0, "C": 108.0}
-    index = ExpiryIndex(stamped, T6, max_hold_s=480.0)
+    index = ExpiryIndex(stamped, PLeaseKeeping(T6, max_hold_s=480.0).table)
     index.index(["A", "B", "C", "ghost"], 100.0)  # an id vLLM does not hold is skipped
     assert len(index) == 3 and index.get("ghost") is None
     stamped["A"] = 110.0  # moved behind the heap's back (no renew): due() re-indexes it, not reaps it
@@ -22,7 +23,7 @@ def test_due_follows_the_dict_not_the_heap():
 
 def test_size_mismatch_and_the_periodic_audit_rebuild_the_index():
     stamped = {"A": 106.0}
-    index = ExpiryIndex(stamped, T6, max_hold_s=480.0)
+    index = ExpiryIndex(stamped, PLeaseKeeping(T6, max_hold_s=480.0).table)
     index.index(["A"], 100.0)
     stamped["X"] = 103.0  # added by a path the worker does not hook: sizes differ
     assert index.due(103.0) == {"X": 103.0}
@@ -35,7 +36,7 @@ def test_size_mismatch_and_the_periodic_audit_rebuild_the_index():
 
 def test_renew_is_capped_by_max_hold_and_discard_forgets():
     stamped = {"A": 106.0}
-    index = ExpiryIndex(stamped, T6, max_hold_s=8.0)  # granted at 100: cap 108
+    index = ExpiryIndex(stamped, PLeaseKeeping(T6, max_hold_s=8.0).table)  # granted at 100: cap 108
     index.index(["A"], 100.0)
     assert index.renew("A", 105.0, 4.0) == 108.0 and index.renew("ghost", 105.0, 4.0) is None
     assert index.expiring_within(1.0, 107.5) == 1 and index.expiring_within(1.0, 106.0) == 0

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from typing import Callable, Iterable
 
-from leasekit.lease.config import LeaseTiming
 from leasekit.lease.table import Lease, PLeaseTable
 
 AUDIT_INTERVAL_S = 30.0
@@ -29,21 +28,15 @@ class ExpiryIndex:
     Args:
         stamped: vLLM's ``_reqs_to_send`` (request id -> deadline, seconds on the worker's
             ``time.perf_counter``); read, never written.
-        timing: the lease timing in force (``L`` gives each lease's grant instant, ``deadline - L``).
-        max_hold_s: seconds after a grant past which no heartbeat moves its deadline
-            (``leasekit_max_hold_s``).
-        table: the table to keep in step (P's :class:`leasekit.lease.pkeeping.PLeaseKeeping` table, whose
-            rules the worker applies); default a fresh one with ``timing`` and ``max_hold_s``.
+        table: the table kept in step with it: P's :class:`leasekit.lease.pkeeping.PLeaseKeeping` table
+            (its timing gives each lease's grant instant, ``deadline - L``, and its max hold caps renewals).
 
     Not thread-safe: P's engine loop is the only caller. All times are seconds on the worker clock.
     """
 
-    def __init__(self, stamped: dict[str, float], timing: LeaseTiming, max_hold_s: float, *,
-                 table: PLeaseTable | None = None):
+    def __init__(self, stamped: dict[str, float], table: PLeaseTable):
         self.stamped = stamped
-        self._stamped = stamped
-        self._table = table if table is not None else PLeaseTable(timing, ended_memory=0, max_buffered=0,
-                                                                  max_hold_s=max_hold_s)
+        self._table = table
         self._audit_at = 0.0
 
     def __len__(self) -> int:
@@ -56,7 +49,7 @@ class ExpiryIndex:
     def index(self, req_ids: Iterable[str], now: float) -> None:
         """Index ``req_ids`` (this step's grants) with the deadline vLLM stamped for each; an id vLLM does
         not hold is skipped, a re-stamped one takes its new deadline. O(log n) each."""
-        table, stamped = self._table, self._stamped
+        table, stamped = self._table, self.stamped
         for req_id in req_ids:
             deadline = stamped.get(req_id)
             if deadline is None:
@@ -79,7 +72,7 @@ class ExpiryIndex:
     def due(self, now: float) -> dict[str, float]:
         """Remove and return the leases with ``deadline <= now`` (vLLM: ``now >= expires``), each with the
         deadline ``_reqs_to_send`` holds for it; they leave the index (the caller reaps them)."""
-        stamped, table = self._stamped, self._table
+        stamped, table = self.stamped, self._table
         if len(table) != len(stamped) or now >= self._audit_at:
             self._audit_at = now + AUDIT_INTERVAL_S
             self.reindex(now)
@@ -101,12 +94,12 @@ class ExpiryIndex:
 
     def rebind(self, stamped: dict[str, float], now: float) -> None:
         """Index ``stamped`` instead (vLLM replaced its ``_reqs_to_send`` dict object): O(n), then as usual."""
-        self.stamped = self._stamped = stamped
+        self.stamped = stamped
         self.reindex(now)
 
     def reindex(self, now: float) -> None:
         """Make the index exactly ``_reqs_to_send`` (ids and deadlines). O(n)."""
-        table, stamped = self._table, self._stamped
+        table, stamped = self._table, self.stamped
         for req_id in table.ids():
             if req_id not in stamped:
                 table.discard(req_id)

@@ -60,7 +60,7 @@ def build_prefill(state: VllmSendState, *, timing: LeaseTiming, max_hold_s: floa
         ValueError: ``max_hold_s`` shorter than ``L``, or ``pledge_s`` negative.
     """
     keeping = PLeaseKeeping(timing, max_hold_s=max_hold_s, pledge_s=pledge_s if fail_closed else 0.0)
-    leases = ExpiryIndex(state.reqs_to_send, timing, max_hold_s, table=keeping.table)
+    leases = ExpiryIndex(state.reqs_to_send, keeping.table)
     pledges = PledgeHolds(state, keeping, recorder, stats, clock_id=clock_id)
     intake: list[PNotificationIntake] = []
     replies = VerdictReplies(own_agent, stats, lambda *drop: intake[0].drop(*drop), clock_id=clock_id,
