@@ -61,6 +61,24 @@ def _positive(text: str) -> int:
     return value
 
 
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0 (0 skips), got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0 skips), got {value}")
+    return value
+
+
+def _writable(text: str) -> Path:
+    path = Path(text)
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"the directory {str(path.parent)!r} does not exist (the JSON is written "
+                                         "after the run: create it first)")
+    return path
+
+
 def _seconds(text: str) -> float:
     try:
         value = float(text)
@@ -80,11 +98,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--notif-steps", type=_positive, help="timed notification steps per worker and N (default 100)")
     p.add_argument("--d-heartbeats", type=_positive, help="timed D heartbeat steps per worker and N (default 40)")
     p.add_argument("--rounds", type=_positive, default=4, help="A B B A rounds the steps are split over (default 4)")
-    p.add_argument("--memory-n", type=int, help="N for memory per lease (default 10000; 0 skips)")
-    p.add_argument("--memory-heartbeats", type=int, default=64, help="heartbeats per lease (default 64)")
-    p.add_argument("--blocked-n", type=int, help="N live leases for the blocked-span-sink comparison (normal, "
+    p.add_argument("--memory-n", type=_count, help="N for memory per lease (default 10000; 0 skips)")
+    p.add_argument("--memory-heartbeats", type=_positive, default=64, help="heartbeats per lease (default 64)")
+    p.add_argument("--blocked-n", type=_count, help="N live leases for the blocked-span-sink comparison (normal, "
                    "frozen span file, OTLP endpoint that never answers; default 10000; 0 skips)")
-    p.add_argument("--blocked-steps", type=int, default=3000,
+    p.add_argument("--blocked-steps", type=_positive, default=3000,
                    help="notification steps per worker there (default 3000: more spans than the export queue holds)")
     p.add_argument("--blocked-otlp-timeout", type=_seconds, default=10.0,
                    help="OTEL_EXPORTER_OTLP_TIMEOUT of the OTLP side there, seconds (default 10, OpenTelemetry's)")
@@ -92,7 +110,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="also measure memory on LeaseKit with export off (about 1 min more at N=10k)")
     p.add_argument("--quick", action="store_true", help="a smoke run: N 1k,10k; D 1k; fewer steps; memory at 2k")
     p.add_argument("-o", "--output", choices=("table", "json"), default="table", help="what to print at the end")
-    p.add_argument("--json", type=Path, help="also write the result as JSON to this file")
+    p.add_argument("--json", type=_writable, help="also write the result as JSON to this file")
     args = p.parse_args(argv)
     defaults = {"sizes": "1000,10000,100000", "d_sizes": "1000,10000", "steps": 200, "notif_steps": 100,
                 "d_heartbeats": 40, "memory_n": 10_000, "blocked_n": 10_000}

@@ -29,7 +29,8 @@ class NotificationConfigError(ValueError):
 
 
 def notification_settings(extra_config: Any, lease_duration_s: float) -> tuple[float, int]:
-    """Read and check ``(max_hold_s, max_notification_bytes)`` from ``kv_connector_extra_config``.
+    """Read and check ``(max_hold_s, max_notification_bytes)`` from ``kv_connector_extra_config``
+    (:func:`max_hold_seconds`, then :func:`max_notification_bytes`).
 
     Args:
         extra_config: vLLM's ``KVTransferConfig`` (``get_from_extra_config``) or a plain mapping.
@@ -37,13 +38,17 @@ def notification_settings(extra_config: Any, lease_duration_s: float) -> tuple[f
 
     Raises:
         NotificationConfigError: max hold not a number in ``[L, max(L, 86400)]`` seconds, or max bytes not
-            an integer in ``[1024, 64 MiB]``.
+            an integer in ``[1024, 64 MiB]`` (the first of the two found).
     """
-    get = _getter(extra_config)
-    max_hold = get(MAX_HOLD_EXTRA_KEY, None)
+    return max_hold_seconds(extra_config, lease_duration_s), max_notification_bytes(extra_config)
+
+
+def max_hold_seconds(extra_config: Any, lease_duration_s: float) -> float:
+    """``leasekit_max_hold_s`` in seconds (unset: ``max(480, L)``). Raises NotificationConfigError: not a
+    number in ``[L, max(L, 86400)]``."""
+    max_hold = _getter(extra_config)(MAX_HOLD_EXTRA_KEY, None)
     if max_hold is None:
         max_hold = max(DEFAULT_MAX_HOLD_S, float(lease_duration_s))
-    max_bytes = get(MAX_BYTES_EXTRA_KEY, DEFAULT_MAX_BYTES)
     high = max(86400.0, float(lease_duration_s))
     if isinstance(max_hold, bool) or not isinstance(max_hold, (int, float)) or not lease_duration_s <= max_hold <= high:
         raise NotificationConfigError(
@@ -51,12 +56,19 @@ def notification_settings(extra_config: Any, lease_duration_s: float) -> tuple[f
             f"[kv_lease_duration={lease_duration_s:g}, {high:g}]; fix: leave it unset (max(480, kv_lease_duration)) "
             f"or set it within that range"
         )
+    return float(max_hold)
+
+
+def max_notification_bytes(extra_config: Any) -> int:
+    """``leasekit_max_notification_bytes`` (unset: 1 MiB). Raises NotificationConfigError: not an integer
+    in ``[1024, 64 MiB]``."""
+    max_bytes = _getter(extra_config)(MAX_BYTES_EXTRA_KEY, DEFAULT_MAX_BYTES)
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or not 1024 <= max_bytes <= MAX_BYTES_LIMIT:
         raise NotificationConfigError(
             f"kv_connector_extra_config.{MAX_BYTES_EXTRA_KEY}={max_bytes!r}: must be an integer number of "
             f"bytes in [1024, {MAX_BYTES_LIMIT}]; fix: leave it unset ({DEFAULT_MAX_BYTES})"
         )
-    return float(max_hold), max_bytes
+    return max_bytes
 
 
 VERDICT_TIMEOUT_EXTRA_KEY = "leasekit_verdict_timeout_s"
@@ -165,9 +177,9 @@ def lint_leasekit_keys(extra: Mapping, role: object, lease_duration_s: float | N
         ``leasekit_*`` key (warning, with the closest known key), a key the role ignores (warning).
     """
     found: list[tuple[str, str, str, str]] = []
-    checks = [lambda: fail_closed_enabled(extra)]
+    checks = [lambda: fail_closed_enabled(extra), lambda: max_notification_bytes(extra)]
     if lease_duration_s is not None:
-        checks += [lambda: notification_settings(extra, lease_duration_s),
+        checks += [lambda: max_hold_seconds(extra, lease_duration_s),
                    lambda: verdict_timeout(extra, lease_duration_s),
                    lambda: pledge_seconds(extra, lease_duration_s)]
     for check in checks:

@@ -310,3 +310,12 @@ def test_counts_of_a_completion_before_a_grant_that_never_comes_are_forgotten():
     w.process.discard("r")  # aborted on P
     w.pledges.sweep(time.perf_counter())
     assert "r" not in w.state.consumer_counts
+
+
+def test_lint_reports_every_bad_leasekit_value_at_once():
+    """A bad max hold does not hide a bad notification size (or the pledge): one lint run names each."""
+    found = lint_leasekit_keys({"leasekit_max_hold_s": 1, "leasekit_max_notification_bytes": 10, "leasekit_pledge_s": 99},
+                               "kv_producer", 6, "kv_transfer_config")
+    fields = sorted(f for f, severity, *_ in found if severity == "error")
+    assert fields == ["kv_transfer_config.leasekit_max_hold_s", "kv_transfer_config.leasekit_max_notification_bytes",
+                      "kv_transfer_config.leasekit_pledge_s"]

@@ -276,3 +276,15 @@ def test_run_blocked_times_the_otlp_black_hole_side_and_counts_its_spans(v, mode
     port = urlsplit(urls[0]).port
     assert not _black_hole_threads() and not _black_hole_sockets(port)
     assert otel() == env
+
+
+@pytest.mark.parametrize("argv,field", [(["--blocked-n", "-1"], "--blocked-n"), (["--memory-n", "x"], "--memory-n"),
+                                        (["--blocked-steps", "0"], "--blocked-steps"),
+                                        (["--memory-heartbeats", "-1"], "--memory-heartbeats"),
+                                        (["--json", "/nonexistent-dir/x.json"], "--json")])
+def test_bad_options_are_refused_before_the_run_naming_the_option(argv, field, capsys):
+    from benchmarks import step_cost as S
+
+    with pytest.raises(SystemExit) as exc:
+        S.parse_args(argv)
+    assert exc.value.code == 2 and field in capsys.readouterr().err
