@@ -20,6 +20,7 @@ from types import SimpleNamespace
 from typing import Any, Iterable
 
 from benchmarks.pstep import build as B
+from leasekit.lease.proof import completion_tag, heartbeat_tag, lease_secret
 
 
 def engine_step(connector: Any, metadata: Any, finished_req_ids: frozenset = frozenset()) -> Any:
@@ -147,6 +148,25 @@ class PSide(Side):
         moves it (``E``: vLLM's ``_lease_extension``, ``base_worker.py:532``)."""
         lease_duration = self.config.kv_transfer_config.get_from_extra_config("kv_lease_duration", 30)
         return float(lease_duration - self.worker._lease_extension)
+
+    def _lease_key(self) -> bytes | None:
+        """The engine key LeaseKit P's scheduler mints lease secrets with (None: stock, or no secrets)."""
+        return getattr(getattr(self.scheduler, "connector_scheduler", None), "_lk_lease_key", None)
+
+    def heartbeat(self, ids: Iterable[str]) -> bytes:
+        """The heartbeat the matching D sends naming ``ids``: a LeaseKit D names each lease with its tag
+        (``<id>~<tag>``, :mod:`leasekit.lease.proof`, from the secret in the grant), a stock D plainly."""
+        key = self._lease_key()
+        if key is None:
+            return heartbeat(ids)
+        return heartbeat(f"{i}~{heartbeat_tag(lease_secret(key, i))}" for i in ids)
+
+    def completion(self, req_id: str, consumers: int = 1) -> bytes:
+        """The read completion the matching D sends (LeaseKit D: ``<id>~<completion tag>:<n>``)."""
+        key = self._lease_key()
+        if key is None:
+            return completion(req_id, consumers)
+        return completion(f"{req_id}~{completion_tag(lease_secret(key, req_id), consumers)}", consumers)
 
     def deliver(self, messages: list[bytes]) -> None:
         """Queue D's notifications for the worker's next ``get_new_notifs``."""

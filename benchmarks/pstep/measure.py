@@ -93,7 +93,7 @@ class PDriver:
         if side.label not in self.refreshed or time.perf_counter() - self.refreshed[side.label] < REFRESH_S:
             return
         live = list(side.live)
-        side.deliver([D.heartbeat(live[i:i + REFRESH_IDS]) for i in range(0, len(live), REFRESH_IDS)])
+        side.deliver([side.heartbeat(live[i:i + REFRESH_IDS]) for i in range(0, len(live), REFRESH_IDS)])
         self.samples[side.label].unexpected += len(side.step().finished_sending or ())
         self.refreshed[side.label] = time.perf_counter()
 
@@ -130,8 +130,8 @@ class PDriver:
                 self.keep_alive(side)
                 base, results = timed(side, side.metadata())
                 s.unexpected += len(results.finished_sending or ())
-                side.deliver([D.heartbeat(D.request_id(r + 1 + i) for i in range(HEARTBEAT_IDS)),
-                              D.completion(done)])
+                side.deliver([side.heartbeat(D.request_id(r + 1 + i) for i in range(HEARTBEAT_IDS)),
+                              side.completion(done)])
                 ns, results = timed(side, side.metadata())
                 finished = set(results.finished_sending or ())
                 s.unexpected += len(finished - {done}) + (done not in finished)
@@ -201,7 +201,7 @@ def memory_per_lease(side: D.PSide, n: int, heartbeats_each: int, per_step: int 
         unexpected = side.grant(ids, age_s=side.age_s)
         gc.collect()
         granted = tracemalloc.get_traced_memory()[0] - base
-        messages = [D.heartbeat(ids[i:i + HEARTBEAT_IDS]) for i in range(0, n, HEARTBEAT_IDS)]
+        messages = [side.heartbeat(ids[i:i + HEARTBEAT_IDS]) for i in range(0, n, HEARTBEAT_IDS)]
         for _ in range(heartbeats_each):
             for start in range(0, len(messages), per_step):
                 side.deliver(messages[start:start + per_step])

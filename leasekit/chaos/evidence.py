@@ -53,6 +53,11 @@ class Evidence:
     unparsable: int = 0
 
 
+READ_EVIDENCE_SETTLE_S = 10.0
+"""Seconds the fail-closed check waits for the record of a read whose lease expired (spans reach their files
+within a second; a remote host's are fetched again each try)."""
+
+
 class EvidenceReader:
     """Reads evidence for ``target`` from ``pair`` and converts runner instants to its clock."""
 
@@ -89,6 +94,20 @@ class EvidenceReader:
             evidence = Evidence("vllm-log", "wall", leases, late_reads=late, unparsable=parsed.bad_lines)
         ended = {l.request_id for l in evidence.leases}
         evidence.open_ids = [rid for rid in request_ids if rid not in ended]
+        return evidence
+
+    def settle_reads(self, evidence: Evidence, request_ids: list[str], served: set[str]) -> Evidence:
+        """``evidence``, read again every 0.5 s (up to :data:`READ_EVIDENCE_SETTLE_S` seconds) until every
+        request of ``served`` whose lease expired has its read's record (P's late read, or D's discard). D writes
+        its read-gate span when it decides the read, moments before the recompute is served, so evidence read
+        right after the load finished can miss it."""
+        deadline = time.monotonic() + READ_EVIDENCE_SETTLE_S
+        while time.monotonic() < deadline:
+            expired = {l.request_id for l in evidence.leases if l.outcome == "expired"} & served
+            if all(rid in evidence.late_reads or rid in evidence.discarded_reads for rid in expired):
+                break
+            time.sleep(0.5)
+            evidence = self.read(request_ids)
         return evidence
 
     def collect(self) -> None:

@@ -10,16 +10,8 @@ import httpx
 
 from leasekit.chaos import FAIL, PASS, UNKNOWN
 from leasekit.chaos.actions import Effect, FaultRun, not_injectable
-from leasekit.chaos.checks import (
-    CheckResult,
-    check_all_served,
-    check_bounded_reclaim,
-    check_conservation,
-    check_fail_closed,
-    check_liveness,
-    check_no_expiry,
-    check_steady_state,
-)
+from leasekit.chaos.checks import (CheckResult, check_all_served, check_bounded_reclaim, check_conservation,
+                                   check_fail_closed, check_liveness, check_no_expiry, check_steady_state)
 from leasekit.chaos.evidence import ClockMismatch, Evidence, EvidenceReader
 from leasekit.chaos.faults.onhost import host_of, monotonic_offset_on_host
 from leasekit.chaos.plot import plot_timeline
@@ -341,6 +333,9 @@ class ScenarioExecution:
             self.fault_phase()
             r.request_ids = self.load.request_ids if self.load else []
             evidence = self.reader.wait_ended(r.request_ids, self._lease_wait_s())
+            if "fail_closed" in self.s.expect.checks and self.target == "leasekit" and self.load is not None:
+                served = {self.load.request_id(i) for i, d in self.load.decodes.items() if d.ok}
+                evidence = self.reader.settle_reads(evidence, r.request_ids, served)  # D's read records land
             r.evidence_source = evidence.source
             r.effects.extend(self.fault_run.effects if self.fault_run else [])
             r.effects.extend(self.wall_clock_effects())

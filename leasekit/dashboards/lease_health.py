@@ -1,9 +1,11 @@
 """The "LeaseKit / KV lease health" Grafana dashboard: one board that answers a lease incident.
 
-Rows: leases now (P) - lease lifecycle - heartbeats and bounds - per remote peer - per TP rank
+Rows: leases now (P) - lease lifecycle - heartbeats and bounds - remote peers - per TP rank
 - vLLM's own NIXL transfer panels (:mod:`leasekit.dashboards.nixl_panels`). Every query reads
 only metrics of :mod:`leasekit.telemetry.metrics` (names taken from the catalog's specs) and
-filters ``job=~"$job", instance=~"$instance"``; aggregation rules are in
+filters ``job=~"$job", instance=~"$instance"``; no panel names a D worker (the catalog's labels are
+bounded): P shows what it knew of an expiring lease's D (``peer_state``) and D stalls it saw end (peer
+returns), D shows heartbeats by P engine id. Aggregation rules are in
 :mod:`leasekit.dashboards.queries`. The bounds shown next to measurements are those of docs/lease-model.md:
 a heartbeat gap above ``E`` expires the lease; reclaim lag (reap - deadline) must stay within the
 tick allowance, drawn as ``max(H, 0.5 s)`` (see :data:`leasekit.dashboards.rules.RECLAIM_LAG_FLOOR_S`).
@@ -75,8 +77,8 @@ def _lifecycle() -> list[Builder]:
                    "ops", width=12, stacked=True),
         timeseries("Late completions (reads that may have used freed blocks)",
                    m.LATE_COMPLETIONS.help + " Any value above 0 with fail_closed=false fires LeaseLateCompletions.",
-                   [Query(sum_increase(_c(m.LATE_COMPLETIONS), I + ", remote_agent, fail_closed", W, F),
-                          "{{instance}} from {{remote_agent}} (fail_closed={{fail_closed}})")], "short", width=12),
+                   [Query(sum_increase(_c(m.LATE_COMPLETIONS), I + ", tp_rank, fail_closed", W, F),
+                          "{{instance}} rank {{tp_rank}} (fail_closed={{fail_closed}})")], "short", width=12),
         timeseries("Lease hold time p50 / p99 by outcome vs max hold", m.HOLD.help + " " + m.MAX_HOLD.help,
                    [Query(quantile(q, _bucket(m.HOLD), I + ", outcome", W, F), f"{{{{instance}}}} {{{{outcome}}}} p{p}")
                     for q, p in ((0.5, 50), (0.99, 99))]
@@ -130,17 +132,20 @@ def _heartbeats_and_bounds() -> list[Builder]:
     ]
 
 
-def _per_remote_peer() -> list[Builder]:
-    agent, engine = I + ", remote_agent", I + ", remote_engine_id"
+def _remote_peers() -> list[Builder]:
+    engine = I + ", remote_engine_id"
     return [
-        timeseries("Extensions by D worker (P)", m.EXTENSIONS.help + " remote_agent: the NIXL agent of the D "
-                   "worker whose heartbeats P handled. A line that drops to 0 is a D worker that stopped "
-                   "heartbeating (dead, stalled or partitioned); a restarted D appears under a new agent.",
-                   [Query(sum_rate(_c(m.EXTENSIONS), agent, W, F), "{{instance}} <- {{remote_agent}}")], "ops"),
-        timeseries("Expiries by D worker and cause (P)", m.EXPIRIES.help + " `unknown`: P never heard from a D "
-                   "worker about the lease (no heartbeat, no read).",
-                   [Query(sum_rate(_c(m.EXPIRIES), agent + ", cause", W, F),
-                          "{{instance}} <- {{remote_agent}} {{cause}}")], "ops", stacked=True),
+        timeseries("Expiries by D state at the reap (P)", m.EXPIRIES.help + " heartbeating: the D was alive "
+                   "(fires LeaseExpiriesWhileDecodeHealthy); silent: dead, stalled or cut off. Returns: "
+                   + m.EXPIRED_PEER_RETURNS.help,
+                   [Query(sum_rate(_c(m.EXPIRIES), I + ", peer_state", W, F), "{{instance}} D {{peer_state}}"),
+                    Query(sum_rate(_c(m.EXPIRED_PEER_RETURNS), I, W, F), "{{instance}} silent D came back")],
+                   "ops", stacked=True),
+        timeseries("Extensions by TP rank (P)", m.EXTENSIONS.help + " No D worker is named (agent names are "
+                   "claims, and new at every D restart). A rank at 0 while the other ranks of its engine "
+                   "are not: D heartbeats only some of P's ranks, and this rank's leases expire.",
+                   [Query(sum_rate(_c(m.EXTENSIONS), I + ", engine, tp_rank", W, F),
+                          "{{instance}} engine {{engine}} rank {{tp_rank}}")], "ops"),
         timeseries("Heartbeats sent / failed by P engine (D)",
                    "On D, remote_engine_id is the P engine the heartbeats go to. " + m.HEARTBEATS_SENT.help,
                    [Query(sum_rate(_c(m.HEARTBEATS_SENT), engine, W, F), "{{instance}} -> {{remote_engine_id}} sent"),
@@ -148,9 +153,15 @@ def _per_remote_peer() -> list[Builder]:
                           "{{instance}} -> {{remote_engine_id}} failed")], "ops"),
         timeseries("Notifications dropped by reason (P)", m.NOTIFICATIONS_DROPPED.help + " Malformed reasons "
                    "(not_utf8, no_colon, bad_count, ...) would crash stock P's engine; foreign_* are heartbeats or "
-                   "completions from an agent the lease is not bound to (a misrouted or forging peer).",
+                   "completions from an agent a plain lease is not bound to, unproven_* messages without a valid proof for a "
+                   "lease bound by proof, or hellos that prove no lease (a misrouted or forging peer).",
                    [Query(sum_rate(_c(m.NOTIFICATIONS_DROPPED), I + ", reason", W, F), "{{instance}} {{reason}}")],
                    "ops", width=12, stacked=True),
+        timeseries("Lease bindings by proof / unknown heartbeat ids (P)", m.BINDINGS.help + " Unknown ids: "
+                   + m.HEARTBEAT_UNKNOWN_IDS.help,
+                   [Query(sum_rate(_c(m.BINDINGS), I + ", proof", W, F), "{{instance}} {{proof}}"),
+                    Query(sum_rate(_c(m.HEARTBEAT_UNKNOWN_IDS), I, W, F), "{{instance}} unknown heartbeat ids")],
+                   "ops", width=12),
         timeseries("Spans not exported by reason", m.SPANS_DROPPED.help + " Lease evidence (spans) is missing for "
                    "these; metrics and logs still carry every transition.",
                    [Query(sum_rate(_c(m.SPANS_DROPPED), I + ", reason", W, F), "{{instance}} {{reason}}")],
@@ -206,7 +217,7 @@ def dashboard(runbook_url: str) -> dashboard_b.Dashboard:
              .annotation(alerts_annotation(
                  f'ALERTS{{alertname=~"{"|".join(ALERT_NAMES)}", alertstate="firing", {F}}}')))
     sections = (("Leases now (P)", _leases_now()), ("Lease lifecycle (P)", _lifecycle()),
-                ("Heartbeats and bounds", _heartbeats_and_bounds()), ("Per remote peer", _per_remote_peer()),
+                ("Heartbeats and bounds", _heartbeats_and_bounds()), ("Remote peers", _remote_peers()),
                 ("Per TP rank", _per_rank()), ("vLLM NIXL transfers (vllm:nixl_*)", nixl_panels.panels()))
     next_id = 1
     for title, panels in sections:

@@ -2,9 +2,12 @@
 ``dashboards/leasekit-rules.yml`` (Prometheus rule-file format, ``promtool check rules``).
 
 Recording rules follow Prometheus's ``level:metric:operations`` naming
-(prometheus.io/docs/practices/rules/): ``instance:`` keeps ``job, instance``,
-``instance_remote_agent:`` also ``remote_agent`` (P side: the NIXL agent of the D worker P heard
-from), ``instance_remote_engine:`` also ``remote_engine_id`` (D side: the P engine D heartbeats).
+(prometheus.io/docs/practices/rules/): ``instance:`` keeps ``job, instance``, ``instance_<label>:``
+also that label, ``instance_tp_rank:`` also ``engine, tp_rank`` (one P worker), ``instance_remote_engine:``
+also ``remote_engine_id`` (D side: the P engine D heartbeats). Every label is bounded (the metric
+catalog names no D worker: :mod:`leasekit.telemetry.metrics`), so no rule joins on a peer's identity;
+whether an expiring lease's D was alive is decided inside P (``peer_state``, the peer-returns counter:
+:mod:`leasekit.telemetry.peers`) and the rules only aggregate it.
 Aggregation rules are those of :mod:`leasekit.dashboards.queries`. Alerts: one per incident class, each with ``for``, a
 ``severity`` label and ``summary`` / ``description`` / ``runbook_url`` annotations; the runbook
 sections are in ``docs/runbook.md`` under the lower-cased alert name. Their promtool unit tests
@@ -21,6 +24,7 @@ from leasekit.dashboards.queries import (
     config_gauge, per_instance_gauge, quantile, sum_new_or_increased, sum_rate,
 )
 from leasekit.lease.bounds import RECLAIM_LAG_FLOOR_S
+from leasekit.telemetry import lease_events as ev
 from leasekit.telemetry import metrics as m
 
 FILE_NAME = "leasekit-rules.yml"
@@ -47,9 +51,10 @@ GRANTS_RATE = "instance:leasekit_kv_lease_grants:rate5m"
 EXPIRIES_RATE = "instance:leasekit_kv_lease_expiries:rate5m"
 EXPIRY_RATIO = "instance:leasekit_kv_lease_expiry_ratio:rate5m"
 EXPIRIES_BY_CAUSE = "instance_cause:leasekit_kv_lease_expiries:increase5m"
-EXPIRIES_BY_REMOTE = "instance_remote_agent:leasekit_kv_lease_expiries:increase10m"
-EXTENSIONS_BY_REMOTE = "instance_remote_agent:leasekit_kv_lease_extensions:rate2m"
-LATE_BY_REMOTE = "instance_remote_agent:leasekit_kv_lease_late_completions:increase5m"
+EXPIRIES_BY_RANK = "instance_tp_rank:leasekit_kv_lease_expiries:increase10m"  # by peer_state too
+EXTENSIONS_BY_RANK = "instance_tp_rank:leasekit_kv_lease_extensions:rate2m"
+PEER_RETURNS = "instance:leasekit_kv_lease_expired_peer_returns:increase10m"
+LATE_UNSAFE = "instance:leasekit_kv_lease_late_completions_not_fail_closed:increase5m"
 SEND_FAILURES_BY_REMOTE = "instance_remote_engine:leasekit_kv_lease_heartbeat_send_failures:increase5m"
 DISCARDED_BY_OUTCOME = "instance_outcome:leasekit_kv_lease_reads_discarded:increase5m"
 GAP_P50 = "instance:leasekit_kv_lease_heartbeat_gap_seconds:p50_5m"
@@ -61,7 +66,7 @@ E_MAX = "instance:leasekit_kv_lease_extension_seconds:max"
 H_MAX = "instance:leasekit_kv_lease_heartbeat_interval_seconds:max"
 
 I = "job, instance"
-IA = "job, instance, remote_agent"  # P side: per D worker
+IR = "job, instance, engine, tp_rank"  # P side: one worker (engine of the server, TP rank)
 IE = "job, instance, remote_engine_id"  # D side: per P engine
 
 
@@ -89,14 +94,16 @@ def recording_rules() -> list[dict[str, str]]:
     """The recording rules (``{"record": name, "expr": promql}``), in evaluation order."""
     c = lambda spec: spec.sample_names[0]  # counter series name
     rules = [(f"instance:{spec.name}:rate5m", sum_rate(c(spec), I, "5m"))
-             for spec in (m.GRANTS, m.EXTENSIONS, m.RELEASES, m.EXPIRIES, m.ABORTS, m.LATE_COMPLETIONS,
+             for spec in (m.GRANTS, m.EXTENSIONS, m.RELEASES, m.EXPIRIES, m.EXPIRED_PEER_RETURNS, m.ABORTS,
+                          m.LATE_COMPLETIONS,
                           m.HEARTBEATS_SENT, m.HEARTBEAT_SEND_FAILURES)]
     rules += [
         (EXPIRY_RATIO, f"{EXPIRIES_RATE}\n/\n({GRANTS_RATE} > 0)"),
         (EXPIRIES_BY_CAUSE, sum_new_or_increased(c(m.EXPIRIES), f"{I}, cause", "5m")),
-        (EXPIRIES_BY_REMOTE, sum_new_or_increased(c(m.EXPIRIES), IA, "10m")),
-        (EXTENSIONS_BY_REMOTE, sum_rate(c(m.EXTENSIONS), IA, "2m")),
-        (LATE_BY_REMOTE, sum_new_or_increased(c(m.LATE_COMPLETIONS), IA, "5m", 'fail_closed!="true"')),
+        (EXPIRIES_BY_RANK, sum_new_or_increased(c(m.EXPIRIES), IR + ", peer_state", "10m")),
+        (EXTENSIONS_BY_RANK, sum_rate(c(m.EXTENSIONS), IR, "2m")),
+        (PEER_RETURNS, sum_new_or_increased(c(m.EXPIRED_PEER_RETURNS), I, "10m")),
+        (LATE_UNSAFE, sum_new_or_increased(c(m.LATE_COMPLETIONS), I, "5m", 'fail_closed!="true"')),
         (SEND_FAILURES_BY_REMOTE, sum_new_or_increased(c(m.HEARTBEAT_SEND_FAILURES), IE, "5m")),
         (DISCARDED_BY_OUTCOME, sum_new_or_increased(c(m.READS), f"{I}, outcome", "5m",
                                                     'outcome=~"reaped|timeout|ungated"')),
@@ -118,9 +125,27 @@ def _alert(config: RulesConfig, name: str, expr: str, for_: str, severity: str, 
                             "runbook_url": f"{config.runbook_url}#{name.lower()}"}}
 
 
+def expiries_while_decode_healthy() -> str:
+    """The LeaseExpiriesWhileDecodeHealthy condition, per P server (``job, instance``): expiries in the
+    last 10 minutes whose D was alive, in any of three ways (each a separate operand of ``or``):
+
+    1. ``peer_state="heartbeating"``: P took a heartbeat from the lease's D agent less than 2 H before the
+       reap (:mod:`leasekit.telemetry.peers`);
+    2. silent expiries whose D agent was heard from again (the peer-returns counter): a stall;
+    3. ``peer_state="unknown"`` expiries on a P rank that got no extension in 2 minutes while another rank
+       of the same engine did: D heartbeats some of P's ranks and not this one (the per-rank
+       recorder never heard of a D for those leases, so 1 cannot see it).
+    """
+    return (f"sum by ({I}) ({EXPIRIES_BY_RANK}{{peer_state=\"{ev.PEER_HEARTBEATING}\"}} > 0)\n"
+            f"or\n{PEER_RETURNS} > 0\n"
+            f"or\nsum by ({I}) (\n  {EXPIRIES_BY_RANK}{{peer_state=\"{ev.PEER_UNKNOWN}\"}} > 0\n"
+            f"  and on ({IR}) ({EXTENSIONS_BY_RANK} == 0)\n"
+            f"  and on ({I}, engine) (sum by ({I}, engine) ({EXTENSIONS_BY_RANK}) > 0)\n)")
+
+
 def alerting_rules(config: RulesConfig) -> list[dict[str, object]]:
     """The alerting rules, in :data:`ALERT_NAMES` order (see docs/runbook.md for each)."""
-    inst, agent, engine = "{{ $labels.instance }}", "{{ $labels.remote_agent }}", "{{ $labels.remote_engine_id }}"
+    inst, engine = "{{ $labels.instance }}", "{{ $labels.remote_engine_id }}"
     return [
         _alert(config, "LeaseExpiries", f"{EXPIRIES_BY_CAUSE} > 0", "0m", "warning",
                f"P server {inst} reclaimed expired KV leases (cause {{{{ $labels.cause }}}})",
@@ -128,17 +153,18 @@ def alerting_rules(config: RulesConfig) -> list[dict[str, object]]:
                "minutes and reclaimed their KV blocks: D stopped heartbeating those requests (D died, was "
                "stalled longer than E - H, was cut off from P, or aborted them). The mechanism worked (blocks "
                "are free again); find out which D went silent and whether it is coming back."),
-        _alert(config, "LeaseExpiriesWhileDecodeHealthy",
-               f"{EXPIRIES_BY_REMOTE} > 0\nand on ({IA})\n{EXTENSIONS_BY_REMOTE} > 0", "5m", "warning",
-               f"Leases on {inst} expire while D worker {agent} still heartbeats",
-               f"P server {inst} reclaimed leases of requests from D worker {agent} (NIXL agent) in the last 10 "
-               "minutes while that worker kept delivering heartbeats (extensions in the last 2 minutes), for 5 "
-               "minutes. D is alive: it stopped heartbeating those requests (client aborts on D do, benignly) or "
-               "its heartbeats arrive later than E (stalls, long forward passes, lost notifications). D may read "
-               "freed blocks. A dead or restarted D never fires this: its agent's extensions stop within 2 minutes."),
-        _alert(config, "LeaseLateCompletions", f"{LATE_BY_REMOTE} > 0", "0m", "critical",
-               f"Late read completions on {inst} from D worker {agent}",
-               f"P server {inst} received read-completion notifications from D worker {agent} (NIXL agent) for "
+        _alert(config, "LeaseExpiriesWhileDecodeHealthy", expiries_while_decode_healthy(), "5m", "warning",
+               f"Leases on {inst} expire while their D worker is alive",
+               f"P server {inst} reclaimed leases in the last 10 minutes, for 5 minutes, whose D worker was alive: "
+               "its NIXL agent still heartbeated other leases at the reap (peer_state=\"heartbeating\"), or went "
+               "silent and was heard from again (a stall, not a death: leasekit_kv_lease_expired_peer_returns), or "
+               "the lease's P TP rank got no heartbeat at all while other ranks of the same engine did. D stopped "
+               "heartbeating those requests (client aborts on D do, benignly) or its heartbeats arrive later than "
+               "E (stalls, long forward passes, lost notifications). D may read freed blocks. A dead or restarted "
+               "D never fires this: its leases expire silent and a restarted D is a new agent."),
+        _alert(config, "LeaseLateCompletions", f"{LATE_UNSAFE} > 0", "0m", "critical",
+               f"Late read completions on {inst}",
+               f"P server {inst} received read-completion notifications from D workers for "
                "leases that had already ended, in the last 5 minutes: D read KV blocks P may have freed and "
                "reused, so the tokens it generated may be wrong (the fail-closed gap: docs/telemetry.md, kv_lease_late_read). "
                "Late reads of a D that speaks the fail-closed protocol (fail_closed=\"true\") are discarded by D "

@@ -76,13 +76,15 @@ protocol message and dropped as ``bad_protocol``."""
 PROTOCOL_PARAM = "leasekit_protocol"
 """Key LeaseKit P adds to the ``kv_transfer_params`` it returns (value :data:`PROTOCOL_VERSION`); stock D
 ignores unknown keys (vllm 0.32.0 ``nixl/pull_scheduler.py`` reads with ``params.get``)."""
-PROTOCOL_VERSION = 3
-"""3: acknowledgements carry P's clock reading and clock id, and grants a pledge (leasekit/lease/pledge.py);
+PROTOCOL_VERSION = 4
+"""4: the grant carries a lease secret (:data:`leasekit.lease.proof.TOKEN_PARAM`) and D proves it with tags in its
+heartbeats (``<id>~<tag>``), completions (``<id>~<tag>:<n>``) and hello (:mod:`leasekit.lease.proof`);
+3: acknowledgements carry P's clock reading and clock id, and grants a pledge (leasekit/lease/pledge.py);
 2: P -> D verdicts and acknowledgements over ZMQ (leasekit/vllm/verdictchan.py); 1 sent them as NIXL
 notifications over a UCX connection P opened back to D."""
-D_ACCEPTED_VERSIONS = (2, 3)
-"""Markers LeaseKit D protects: a version-2 P (a rolling upgrade) sends the same verdicts and hellos, and acks
-without a clock (decoded as such): its reads wait for verdicts or acks, no pledge. Any other marker is
+D_ACCEPTED_VERSIONS = (2, 3, 4)
+"""Markers LeaseKit D protects: a version-2 or -3 P (a rolling upgrade) gets plain ids and a hello without a lease
+proof (a version-2 P acks without a clock, decoded as such; its reads wait for verdicts or acks, no pledge). Any other marker is
 treated as a stock P's (unprotected, counted)."""
 HELLO_TOKEN_PREFIX = "LK1~H~"
 """A heartbeat id ``LK1~H~<base64 "<endpoint> <token>">`` is D's hello: the ZMQ endpoint ``tcp://<IP>:<port>`` of
@@ -286,6 +288,18 @@ def _id_problem(req_id: str, *, max_chars: int | None) -> DecodeError | None:
     return None
 
 
+def checked_bytes(msg: object, max_bytes: int) -> bytes | bytearray | DecodeError:
+    """``msg`` as bytes (a ``memoryview`` copied), or :class:`DecodeError` ``not_bytes`` (not bytes-like) or
+    ``oversized`` (``len(msg) > max_bytes``), checked before any decoding. Never raises."""
+    if isinstance(msg, memoryview):
+        msg = msg.tobytes()
+    if not isinstance(msg, (bytes, bytearray)):
+        return DecodeError(REASON_NOT_BYTES, f"expected bytes, got {type(msg).__name__}")
+    if len(msg) > max_bytes:
+        return DecodeError(REASON_OVERSIZED, f"{len(msg)} bytes > max_bytes={max_bytes}")
+    return msg
+
+
 def decode_notification(msg: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Notification:
     """Decode one NIXL notification; never raises.
 
@@ -310,12 +324,9 @@ def decode_notification(msg: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES) -> No
         :class:`Completion`, :class:`Verdict` or :class:`Ack` (after an ``LK1:`` prefix: a malformed one
         is ``bad_protocol``) or :class:`DecodeError` (``not_bytes`` for input that is not bytes-like).
     """
-    if isinstance(msg, memoryview):
-        msg = msg.tobytes()
-    if not isinstance(msg, (bytes, bytearray)):
-        return DecodeError(REASON_NOT_BYTES, f"expected bytes, got {type(msg).__name__}")
-    if len(msg) > max_bytes:
-        return DecodeError(REASON_OVERSIZED, f"{len(msg)} bytes > max_bytes={max_bytes}")
+    msg = checked_bytes(msg, max_bytes)
+    if isinstance(msg, DecodeError):
+        return msg
     try:
         text = bytes(msg).decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -154,3 +154,45 @@ class RemoteClockBound:
             if bound is None or not bound < pledge.until_s:
                 return False
         return True
+
+
+class PledgeBook:
+    """P's pledge holds (pure). ``holds``: request id -> pledge end; ``deferred``: request id -> (pledge
+    end, completion time); ``early``: request id -> completion time (completed before its grant). All
+    times in seconds on the worker clock."""
+
+    def __init__(self) -> None:
+        self.holds: dict[str, float] = {}
+        self.deferred: dict[str, tuple[float, float]] = {}
+        self.early: dict[str, float] = {}
+
+    def holding(self, req_id: str) -> bool:
+        """Whether ``req_id`` completed and is still pinned (deferred for its pledge, or early)."""
+        return req_id in self.deferred or req_id in self.early
+
+    def defer(self, req_id: str, now: float) -> bool:
+        """A release at ``now``: whether it waits for ``req_id``'s pledge (kept in :attr:`deferred`)."""
+        hold = self.holds.pop(req_id, None)
+        if hold is None or now >= hold:
+            return False
+        self.deferred[req_id] = (hold, now)
+        return True
+
+    def grant_arrived(self, req_id: str, now: float, longest_s: float) -> None:
+        """The grant of an early completion reached the worker at ``now``: it is freed at
+        ``max(pledge end, now + longest_s)`` (``longest_s``: the whole pledge ``W * K``, seconds)."""
+        completed = self.early.pop(req_id)
+        hold = max(self.holds.pop(req_id, now), now + longest_s)
+        self.deferred[req_id] = (hold, completed)
+
+    def due(self, now: float) -> list[tuple[str, float]]:
+        """Remove and return the deferred leases whose pledge ended by ``now``: (request id, seconds held
+        since the completion)."""
+        if not self.deferred:
+            return []
+        out = []
+        for req_id, (hold, completed) in list(self.deferred.items()):
+            if now >= hold:
+                del self.deferred[req_id]
+                out.append((req_id, max(0.0, now - completed)))
+        return out

@@ -10,6 +10,7 @@ the engine at start); :func:`lint_leasekit_keys` turns them into lint findings.
 from __future__ import annotations
 
 import difflib
+import ipaddress
 from collections.abc import Mapping
 from typing import Any
 
@@ -148,6 +149,44 @@ def pledge_seconds(extra_config: Any, lease_duration_s: float) -> float:
     return float(value)
 
 
+VERDICT_ALLOW_EXTRA_KEY = "leasekit_verdict_allow"
+MAX_VERDICT_NETWORKS = 64
+
+
+def verdict_allow(extra_config: Any) -> tuple:
+    """Networks P's verdict channel may connect to (docs/security.md):
+    ``kv_connector_extra_config.leasekit_verdict_allow``, a list of CIDR strings (``["10.0.0.0/8",
+    "fd00::/8"]``; a bare address is a /32 or /128). Unset or empty: ``()``, and P allows only the addresses
+    its side-channel handshake listener served (the D workers that fetched its NIXL metadata).
+
+    Returns:
+        a tuple of :class:`ipaddress.IPv4Network` / :class:`ipaddress.IPv6Network`.
+
+    Raises:
+        ReadGateConfigError: not a list of at most 64 CIDR strings (the message names the bad entry).
+    """
+    get = _getter(extra_config)
+    value = get(VERDICT_ALLOW_EXTRA_KEY, None)
+    if value is None:
+        return ()
+    fix = 'a JSON list of CIDR strings such as ["10.0.0.0/8"], or leave it unset (the side-channel peers)'
+    if not isinstance(value, (list, tuple)) or len(value) > MAX_VERDICT_NETWORKS:
+        raise ReadGateConfigError(
+            f"kv_connector_extra_config.{VERDICT_ALLOW_EXTRA_KEY}={value!r}: must be a list of at most "
+            f"{MAX_VERDICT_NETWORKS} CIDR strings; fix: {fix}")
+    networks = []
+    for entry in value:
+        try:
+            if not isinstance(entry, str):
+                raise ValueError("not a string")
+            networks.append(ipaddress.ip_network(entry, strict=False))
+        except ValueError as exc:
+            raise ReadGateConfigError(
+                f"kv_connector_extra_config.{VERDICT_ALLOW_EXTRA_KEY}={value!r}: entry {entry!r} is not a CIDR "
+                f"network ({exc}); fix: {fix}") from None
+    return tuple(networks)
+
+
 RUN_DIR_EXTRA_KEY = "leasekit_run_dir"
 
 ROLE_OF_KEY = {
@@ -155,6 +194,7 @@ ROLE_OF_KEY = {
     MAX_BYTES_EXTRA_KEY: None,  # both roles parse the NIXL notifications they receive (P answers D over ZMQ)
     FAIL_CLOSED_EXTRA_KEY: "kv_producer",
     PLEDGE_EXTRA_KEY: "kv_producer",
+    VERDICT_ALLOW_EXTRA_KEY: "kv_producer",
     VERDICT_TIMEOUT_EXTRA_KEY: "kv_consumer",
     RUN_DIR_EXTRA_KEY: None,
 }
@@ -177,7 +217,7 @@ def lint_leasekit_keys(extra: Mapping, role: object, lease_duration_s: float | N
         ``leasekit_*`` key (warning, with the closest known key), a key the role ignores (warning).
     """
     found: list[tuple[str, str, str, str]] = []
-    checks = [lambda: fail_closed_enabled(extra), lambda: max_notification_bytes(extra)]
+    checks = [lambda: fail_closed_enabled(extra), lambda: max_notification_bytes(extra), lambda: verdict_allow(extra)]
     if lease_duration_s is not None:
         checks += [lambda: max_hold_seconds(extra, lease_duration_s),
                    lambda: verdict_timeout(extra, lease_duration_s),

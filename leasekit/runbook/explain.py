@@ -76,7 +76,7 @@ def _details(attributes: dict[str, Any]) -> str:
 
 def _render_lease(out, view: dict[str, Any]) -> None:
     rows = [
-        ("source", view["source"]), ("remote agent", view["remote_agent"] or "-"),
+        ("source", view["source"]), ("remote peer (ref)", view["remote_agent"] or "-"),
         ("KV blocks", view["kv_blocks"]),
         ("L / E", f"{fmt_num(view['lease_duration_s'])} s / {fmt_num(view['extension_s'])} s"),
         ("outcome", view["outcome"] or "open (no end recorded)"),
@@ -90,6 +90,8 @@ def _render_lease(out, view: dict[str, Any]) -> None:
         ("retrievals", view["retrievals"]), ("reclaim lag", fmt_seconds(view["reclaim_lag_s"])),
         ("step gap", fmt_seconds(view["step_gap_s"])),
     ]
+    if view.get("expiry_peer_state"):
+        rows.append(("D at expiry", view["expiry_peer_state"]))
     if view["abort_reason"]:
         rows.append(("abort reason", view["abort_reason"]))
     out.print(key_value_table(_who(view) + "  (times after the grant, P's clock)", rows))
@@ -126,7 +128,7 @@ def render_table(report: dict[str, Any]) -> None:
     for view in report["late_reads"]:
         out.print(f"LATE READ {escape(_who(view))}: at {fmt_seconds(view['t_after_grant_s'], signed=True)} after the "
                   f"grant ({view['wall_time']}), {fmt_seconds(view['late_by_s'])} after the lease ended "
-                  f"{view['ended_outcome']} at {fmt_seconds(view['end_after_grant_s'], signed=True)}; remote agent "
+                  f"{view['ended_outcome']} at {fmt_seconds(view['end_after_grant_s'], signed=True)}; remote peer "
                   f"{escape(str(view['remote_agent']))}: the read may have used freed KV blocks")
     for view in report["other_spans"]:
         out.print(f"{escape(_who(view))}: {fmt_seconds(view['start_after_origin_wall_s'], signed=True)} .. "

@@ -2,7 +2,9 @@
 
 Pure functions over :class:`~leasekit.runbook.promscrape.Sample` lists (no I/O). Metric names,
 kinds and labels come from the catalog :mod:`leasekit.telemetry.metrics`; totals sum over every
-label (``model_name``, ``engine``, ``tp_rank``, the remote peer, ``cause``).
+label (``model_name``, ``engine``, ``tp_rank``, ``cause``, ``peer_state``, ...). No metric names a D worker
+(the catalog's labels are bounded: :mod:`leasekit.telemetry.metrics`); on D, heartbeat failures are broken
+down by the P engine id.
 
 Verdict rules (first match wins; sources in brackets):
 
@@ -56,6 +58,7 @@ COUNTERS: dict[str, str] = {
     "extensions": m.EXTENSIONS.sample_names[0],
     "releases": m.RELEASES.sample_names[0],
     "expiries": m.EXPIRIES.sample_names[0],
+    "expired_peer_returns": m.EXPIRED_PEER_RETURNS.sample_names[0],
     "aborts": m.ABORTS.sample_names[0],
     "late_completions": m.LATE_COMPLETIONS.sample_names[0],
     "heartbeats_sent": m.HEARTBEATS_SENT.sample_names[0],
@@ -78,8 +81,8 @@ LISTENER_COUNTERS: dict[str, str] = {
 """Report key -> counter sample name of P's handshake listener (per server engine, not per TP rank)."""
 
 def remote_label(spec: m.MetricSpec) -> str:
-    """The label naming the remote peer on ``spec`` (from the catalog: ``remote_agent`` on P-side
-    metrics, ``remote_engine_id`` on D-side ones).
+    """The label naming the remote peer on ``spec`` (from the catalog: ``remote_engine_id`` on D-side
+    heartbeat metrics; P-side metrics name no peer).
 
     Raises:
         ValueError: the metric has no ``remote_*`` label.
@@ -93,16 +96,15 @@ def remote_label(spec: m.MetricSpec) -> str:
 BREAKDOWNS: dict[str, tuple[str, str]] = {
     "expiries_by_cause": (COUNTERS["expiries"], "cause"),
     "reads_by_outcome": (COUNTERS["reads"], "outcome"),
+    "expiries_by_peer_state": (COUNTERS["expiries"], "peer_state"),
     "late_completions_by_fail_closed": (COUNTERS["late_completions"], "fail_closed"),
-    **{f"{key}_by_{remote_label(spec)}": (spec.sample_names[0], remote_label(spec))
-       for key, spec in (("expiries", m.EXPIRIES), ("late_completions", m.LATE_COMPLETIONS),
-                         ("heartbeat_send_failures", m.HEARTBEAT_SEND_FAILURES))},
+    "late_completions_by_tp_rank": (COUNTERS["late_completions"], "tp_rank"),
+    f"heartbeat_send_failures_by_{remote_label(m.HEARTBEAT_SEND_FAILURES)}":
+        (COUNTERS["heartbeat_send_failures"], remote_label(m.HEARTBEAT_SEND_FAILURES)),
 }
 """Report key -> (counter sample name, label it is broken down by). Keys name the catalog's label,
-e.g. ``expiries_by_remote_agent``, ``heartbeat_send_failures_by_remote_engine_id``."""
+e.g. ``expiries_by_peer_state``, ``heartbeat_send_failures_by_remote_engine_id``."""
 
-_EXPIRIES_BY_REMOTE = f"expiries_by_{remote_label(m.EXPIRIES)}"
-_LATE_BY_REMOTE = f"late_completions_by_{remote_label(m.LATE_COMPLETIONS)}"
 _HB_FAIL_BY_REMOTE = f"heartbeat_send_failures_by_{remote_label(m.HEARTBEAT_SEND_FAILURES)}"
 
 
@@ -269,9 +271,9 @@ def verdict(summary: dict[str, Any], *, window: str = "since start") -> tuple[st
     discarded_late = b.get("late_completions_by_fail_closed", {}).get("true", 0)
     unprotected_late = c["late_completions"] - discarded_late
     if unprotected_late > 0:
-        by = ", ".join(f"{k}={v}" for k, v in b[_LATE_BY_REMOTE].items())
+        by = ", ".join(f"{k}={v}" for k, v in b["late_completions_by_tp_rank"].items())
         critical.append(f"{_number(unprotected_late)} late completion(s) {window} from D agents that do not fail "
-                        f"closed (all late completions by {remote_label(m.LATE_COMPLETIONS)}: {by}): D read "
+                        f"closed (all late completions by tp_rank: {by}): D read "
                         "blocks of a lease P had already ended; the read may have used freed KV blocks")
     if discarded_late > 0:
         degraded.append(f"{_number(discarded_late)} late completion(s) {window} from fail-closed D agents: P told "
@@ -286,10 +288,12 @@ def verdict(summary: dict[str, Any], *, window: str = "since start") -> tuple[st
                         "engine can connect to this P, although /health answers 200")
     if c["expiries"] > 0:
         causes = ", ".join(f"{k}={v}" for k, v in b["expiries_by_cause"].items())
-        remotes = ", ".join(f"{k}={v}" for k, v in b[_EXPIRIES_BY_REMOTE].items())
+        states = ", ".join(f"{k}={v}" for k, v in b["expiries_by_peer_state"].items())
         noun = "expiry" if c["expiries"] == 1 else "expiries"
-        degraded.append(f"{c['expiries']} lease {noun} {window} (by cause: {causes}; by "
-                        f"{remote_label(m.EXPIRIES)}: {remotes})")
+        returned = c.get("expired_peer_returns", 0)
+        degraded.append(f"{c['expiries']} lease {noun} {window} (by cause: {causes}; by D state at the reap: "
+                        f"{states}" + (f"; {returned} of a silent D that came back: stalled, not dead" if returned
+                                       else "") + ")")
     if c["vllm:nixl_num_kv_expired_reqs"] > 0:
         degraded.append(f"vllm:nixl_num_kv_expired_reqs = {c['vllm:nixl_num_kv_expired_reqs']} {window}")
     if g["expiring_soon"] > 0:

@@ -146,7 +146,7 @@ def _server_rows(entry: dict[str, Any]) -> list[tuple[str, Any]]:
     ]
     for key in ("grants", "extensions", "releases", "expiries"):
         rows.append((key, _count(entry, key)))
-    for key in ("aborts", "late_completions", "heartbeats_sent", "heartbeat_send_failures", *h.VLLM_COUNTERS):
+    for key in ("expired_peer_returns", "aborts", "late_completions", "heartbeats_sent", "heartbeat_send_failures", *h.VLLM_COUNTERS):
         rows.append((key.replace("_", " ") if not key.startswith("vllm:") else key, _count(entry, key)))
     rows += [("  " + key.replace("_", " "), fmt_mapping(b[key])) for key in h.BREAKDOWNS if b[key]]
     up = entry["listener"]["up"]
@@ -160,7 +160,7 @@ def _server_rows(entry: dict[str, Any]) -> list[tuple[str, Any]]:
 
 
 _RANK_COLUMNS = {"tp_rank": "rank", "leases_active": "active", "pinned_blocks": "pinned", "expiring_soon": "soon",
-                 "extensions": "extends", "late_completions": "late", "heartbeats_sent": "hb sent",
+                 "extensions": "extends", "expired_peer_returns": "returns", "late_completions": "late", "heartbeats_sent": "hb sent",
                  "heartbeat_send_failures": "hb fail"}
 
 

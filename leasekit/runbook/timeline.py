@@ -110,7 +110,8 @@ def lease_view(span: SpanRecord, tick_s: float | None = None) -> dict[str, Any]:
 
     Returns:
         Identity (``span, source, engine_id, tp_rank, kv_role, pid``), the lease's attributes
-        (``remote_agent, kv_blocks, lease_duration_s, extension_s, outcome, abort_reason``), wall
+        (``remote_agent``: the D worker's peer reference ``peer-<12 hex>``, never its agent name;
+        ``kv_blocks, lease_duration_s, extension_s, outcome, abort_reason``, ``expiry_peer_state``), wall
         times (``grant_wall``, ``end_wall``), instants after the grant (``initial_deadline_s``,
         ``deadline_s``, ``last_extend_s``, ``end_s``), ``extend_count`` vs ``extend_events_kept``
         and ``extend_events_dropped``, ``retrievals``, ``reclaim_lag_s``, ``step_gap_s``, ``events``
@@ -131,6 +132,7 @@ def lease_view(span: SpanRecord, tick_s: float | None = None) -> dict[str, Any]:
         "remote_agent": a.get(sc.REMOTE_AGENT), "kv_blocks": a.get(sc.KV_BLOCKS),
         "lease_duration_s": a.get(sc.LEASE_DURATION_S), "extension_s": a.get(sc.EXTENSION_S),
         "outcome": a.get(sc.OUTCOME), "abort_reason": a.get(sc.ABORT_REASON),
+        "expiry_peer_state": a.get(sc.EXPIRY_PEER_STATE),
         "grant_monotonic_s": a.get(sc.GRANT_MONOTONIC_S),
         "grant_wall": wall_time(grant_ev.time_unix_ns if grant_ev else span.start_unix_ns),
         "end_wall": wall_time(span.end_unix_ns),

@@ -17,11 +17,18 @@ RELEASE = "release"
 EXPIRE = "expire"
 ABORT = "abort"
 LATE_READ = "late_read"
-KINDS = (GRANT, EXTEND, RELEASE, EXPIRE, ABORT, LATE_READ)
+PEER_RETURNED = "peer_returned"
+KINDS = (GRANT, EXTEND, RELEASE, EXPIRE, ABORT, LATE_READ, PEER_RETURNED)
 
 CAUSE_NO_HEARTBEAT = "no_heartbeat"
 CAUSE_HEARTBEAT_LAPSED = "heartbeat_lapsed"
 CAUSE_MAX_HOLD = "max_hold"
+
+PEER_HEARTBEATING = "heartbeating"
+PEER_SILENT = "silent"
+PEER_UNKNOWN = "unknown"
+PEER_STATES = (PEER_HEARTBEATING, PEER_SILENT, PEER_UNKNOWN)
+"""What P knew of an expiring lease's D agent at the reap (rules: :mod:`leasekit.telemetry.peers`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +42,9 @@ class LeaseEvent:
         engine_id, tp_rank, kv_role: the P engine and worker.
         now_s: when the transition was recorded.
         kv_blocks: KV blocks the lease pins (grant and end events; None if unknown).
-        remote_agent: NIXL agent name of the D worker, if P has heard from it.
+        remote_agent: the D worker P heard from about this lease, as
+            :func:`leasekit.lease.peerref.peer_ref` of its NIXL agent name (``peer-<12 hex>``; never the
+            name itself), or None if P has not heard from one.
         deadline_remaining_s: deadline - now after the transition (negative: past the deadline).
         hold_s: grant to end (end events).
         gap_s: extend: time since the previous delivered heartbeat, or since the grant.
@@ -48,6 +57,9 @@ class LeaseEvent:
             ``reaped``, so D discards the read: docs/fail-closed.md), False when it does not (the read may
             have become tokens), None when unknown.
         reason: abort: why.
+        peer_state: expire: one of :data:`PEER_STATES`.
+        count: peer_returned: how many leases of the agent ``remote_agent`` names expired while it was
+            silent before P heard from it again (``req_id``: the lease it was heard about).
     """
 
     kind: str
@@ -68,12 +80,15 @@ class LeaseEvent:
     late_by_s: float | None = None
     fail_closed: bool | None = None
     reason: str | None = None
+    peer_state: str | None = None
+    count: int | None = None
 
 
 LeaseObserver = Callable[[LeaseEvent], None]
 """Anything called with each :class:`LeaseEvent`; it may raise (the connector logs and goes on).
 
 Two optional methods keep the per-heartbeat path cheap (one extension per lease per heartbeat):
-``on_extend(remote_agent, gap_s)``, if present, is called for every extension instead of building an
-EXTEND event for that observer; ``wants(kind) -> bool``, if present, is asked before an event of
-``kind`` is built for it (e.g. a log observer whose level is off)."""
+``on_extend(gap_s)``, if present, is called for every extension (``gap_s``: seconds since the lease's
+previous heartbeat or its grant) instead of building an EXTEND event for that observer; ``wants(kind) ->
+bool``, if present, is asked before an event of ``kind`` is built for it (e.g. a log observer whose level is
+off)."""

@@ -7,10 +7,15 @@ handlers and format) with the event's fields as ``extra`` attributes and ``event
 engine_id, kv_role, outcome, remote_agent, times in seconds) and stops propagating, so the lines
 are not printed twice.
 
+A D worker is named by :func:`leasekit.lease.peerref.peer_ref` of its NIXL agent name (``peer-<12 hex>``),
+never by the name: lease events already carry the reference, and :class:`RateLimitedWarning` replaces a
+``remote_agent`` field (and any message argument equal to it) by its reference.
+
 Levels: grant, extend, release: DEBUG (volume O(requests x heartbeats) for extends); abort: INFO;
 expire: WARNING (blocks reclaimed from a D that went silent); late read: ERROR (a read may have
 used freed blocks, docs/lease-model.md invariant 5), WARNING when the reading D fails closed (``fail_closed=true``:
-P told it to discard the read, docs/fail-closed.md). Heartbeat send failures (D): WARNING, at most one
+P told it to discard the read, docs/fail-closed.md); peer returned (a D agent heard from again after leases of
+it expired while it was silent: it was stalled, not dead): WARNING. Heartbeat send failures (D): WARNING, at most one
 record per ``interval_s`` with the count of suppressed ones.
 """
 
@@ -22,6 +27,7 @@ import sys
 import time
 from dataclasses import asdict
 
+from leasekit.lease.peerref import peer_ref
 from leasekit.telemetry import lease_events as ev
 from leasekit.telemetry.lease_events import LeaseEvent
 
@@ -37,6 +43,7 @@ _LEVELS = {
     ev.ABORT: logging.INFO,
     ev.EXPIRE: logging.WARNING,
     ev.LATE_READ: logging.ERROR,
+    ev.PEER_RETURNED: logging.WARNING,
 }
 
 
@@ -99,6 +106,12 @@ class LeaseLogObserver:
             details += f" outcome={event.outcome}"
         if event.cause:
             details += f" cause={event.cause}"
+        if event.peer_state:
+            details += f" peer_state={event.peer_state}"
+        if event.remote_agent and event.kind in (ev.EXPIRE, ev.LATE_READ, ev.PEER_RETURNED):
+            details += f" peer={event.remote_agent}"
+        if event.count is not None:
+            details += f" expired_while_silent={event.count}"
         if event.reclaim_lag_s is not None:
             details += f" reclaim_lag_s={event.reclaim_lag_s:.3f}"
         if event.fail_closed is not None:
@@ -109,6 +122,26 @@ class LeaseLogObserver:
             event.kind, event.req_id, event.tp_rank, event.engine_id, details,
             extra=fields,
         )
+
+
+MIN_REDACTED_CHARS = 8
+"""Shortest agent name :class:`RateLimitedWarning` also replaces inside other arguments' text."""
+
+
+def _redact(arg: object, agent: object, ref: str) -> object:
+    """``arg`` with the agent name ``agent`` shown as its reference ``ref`` (see :meth:`RateLimitedWarning.warn`);
+    never raises (an argument that cannot be compared or printed is dropped for ``"?"``)."""
+    try:
+        if arg is agent or (isinstance(arg, (str, bytes)) and arg == agent):
+            return ref
+        name, text = agent.decode("utf-8", "replace") if isinstance(agent, bytes) else str(agent), str(arg)
+        if text == name or text == str(agent):
+            return ref
+        if len(name) >= MIN_REDACTED_CHARS and name in text:
+            return text.replace(name, ref)
+        return arg
+    except Exception:
+        return "?"
 
 
 class RateLimitedWarning:
@@ -133,11 +166,21 @@ class RateLimitedWarning:
         self.suppressed = 0
 
     def warn(self, msg: str, *args: object, **extra: object) -> bool:
-        """Log ``msg % args`` unless one was logged less than ``interval_s`` ago; True if logged."""
+        """Log ``msg % args`` unless one was logged less than ``interval_s`` ago; True if logged.
+
+        ``extra["remote_agent"]``, if given, is a NIXL agent name: it is logged as its
+        :func:`~leasekit.lease.peerref.peer_ref`, and so is every argument equal to it (or whose ``str()`` is),
+        so a message like ``"from agent %s", agent`` never shows the name; an argument whose ``str()`` contains
+        the name (an exception's text, say) is logged as that text with the name replaced by the reference
+        (names of at least :data:`MIN_REDACTED_CHARS` characters: NIXL's are UUIDs)."""
         now = self._clock()
         if now - self._last < self.interval_s:
             self.suppressed += 1
             return False
+        agent = extra.get("remote_agent")
+        if agent is not None:
+            ref = extra["remote_agent"] = peer_ref(agent)
+            args = tuple(_redact(a, agent, ref) for a in args)
         self.logger.warning(
             msg + " (%d similar suppressed)", *args, self.suppressed, extra={**extra, "suppressed": self.suppressed}
         )

@@ -16,6 +16,10 @@ through the observers.
 Times passed in are seconds on the worker's ``time.perf_counter`` (where vLLM keeps lease deadlines,
 vllm 0.32.0 ``base_worker.py: _reqs_to_send``), recorded as ``leasekit.monotonic_s``. A process killed
 while a lease is open writes no span for it (a span is exported when it ends).
+
+Callers pass a D worker's NIXL agent name (``remote_agent=``); spans and events carry its
+:func:`~leasekit.lease.peerref.peer_ref`, never the name (:class:`~leasekit.telemetry.peers.Peer`, looked up
+once per lease, also decides an expiry's ``peer_state``).
 """
 
 from __future__ import annotations
@@ -30,9 +34,11 @@ from typing import Any, Callable, Mapping, Sequence
 from opentelemetry import trace
 
 from leasekit.lease.config import LeaseTiming
+from leasekit.lease.peerref import peer_ref
 from leasekit.telemetry import lease_events as ev
 from leasekit.telemetry import semconv as sc
 from leasekit.telemetry.lease_events import LeaseEvent, LeaseObserver
+from leasekit.telemetry.peers import Peer, PeerTable
 from leasekit.telemetry.span_builder import SpanBuilder
 from leasekit.telemetry.tracecontext import parent_context
 
@@ -52,9 +58,9 @@ class _OpenLease:
     extend_count: int = 0
     retrievals: int = 0
     last_extend_s: float | None = None
-    remote_agent: str | None = None
+    peer: Peer | None = None  # the D agent first heard from about this lease
     extends: Any = None  # array('f'), flat (now_s - grant_s, deadline_s - grant_s): the first, then the latest
-    reads: tuple = ()  # kept retrieval events: ((now_s, remote_agent), ...)
+    reads: tuple = ()  # kept retrieval events: ((now_s, peer_ref of the reading agent), ...)
     extra: tuple = ()  # annotate(): (key, value, key, value, ...)
 
 
@@ -82,19 +88,10 @@ class LeaseSpanRecorder:
         ValueError: ``max_extend_events`` is negative.
     """
 
-    def __init__(
-        self,
-        tracer: trace.Tracer,
-        *,
-        engine_id: str,
-        tp_rank: int,
-        timing: LeaseTiming,
-        kv_role: str = "kv_producer",
-        clock: Callable[[], float] = time.perf_counter,
-        max_extend_events: int = 8,
-        observers: Sequence[LeaseObserver] = (),
-        spans: SpanBuilder | None = None,
-    ):
+    def __init__(self, tracer: trace.Tracer, *, engine_id: str, tp_rank: int, timing: LeaseTiming,
+                 kv_role: str = "kv_producer", clock: Callable[[], float] = time.perf_counter,
+                 max_extend_events: int = 8, observers: Sequence[LeaseObserver] = (),
+                 spans: SpanBuilder | None = None):
         if max_extend_events < 0:
             raise ValueError(f"max_extend_events must be >= 0, got {max_extend_events}")
         self._tracer = tracer
@@ -113,6 +110,8 @@ class LeaseSpanRecorder:
         self._open: dict[str, _OpenLease] = {}
         self._ended: OrderedDict[str, tuple[str, float]] = OrderedDict()  # req_id -> (outcome, end s)
         self._ended_memory = 65536
+        self._peers = PeerTable()
+        self._known = self._peers.known  # agent name -> Peer: the per-lease lookup, without a call
 
     # -- queries ---------------------------------------------------------------------------
     def has(self, req_id: str) -> bool:
@@ -147,6 +146,15 @@ class LeaseSpanRecorder:
         """How many open leases have a deadline less than ``seconds`` away (O(open leases); tests only)."""
         limit = (self._clock() if now is None else now) + seconds
         return sum(1 for lease in self._open.values() if lease.deadline_s < limit)
+
+    def _peer(self, req_id: str, agent: str, now: float) -> Peer:
+        """The :class:`Peer` of ``agent``, first heard from about ``req_id`` at ``now``; a PEER_RETURNED
+        event if it comes back after leases of it expired while it was silent."""
+        peer = self._peers.get(agent, now, (lease.peer for lease in self._open.values()))
+        returned = peer.come_back(now)
+        if returned:
+            self._emit(ev.PEER_RETURNED, req_id, now, remote_agent=peer.ref, count=returned)
+        return peer
 
     def _emit(self, kind: str, req_id: str, now: float, **fields) -> None:
         event = None  # built only if some observer wants this kind (most heartbeats: none does)
@@ -187,7 +195,8 @@ class LeaseSpanRecorder:
         return True
 
     def extend(self, req_id: str, deadline_s: float, *, remote_agent: str | None = None, now: float | None = None) -> bool:
-        """Record a delivered heartbeat naming ``req_id`` and the deadline it left. False if unknown."""
+        """Record a delivered heartbeat naming ``req_id`` and the deadline it left (``remote_agent``: the
+        sender's NIXL agent name, recorded as its :func:`~leasekit.lease.peerref.peer_ref`). False if unknown."""
         lease = self._open.get(req_id)
         if lease is None:
             return False
@@ -196,8 +205,15 @@ class LeaseSpanRecorder:
         lease.extend_count += 1
         lease.deadline_s = deadline_s
         lease.last_extend_s = now
-        if remote_agent and lease.remote_agent is None:
-            lease.remote_agent = remote_agent
+        peer = lease.peer
+        if peer is not None:
+            peer.last_s = now
+        elif remote_agent:
+            peer = self._known.get(remote_agent)
+            if peer is None or peer.lapsed:
+                peer = self._peer(req_id, remote_agent, now)
+            lease.peer = peer
+            peer.last_s = now
         keep = self._max_extend_events
         if keep:
             kept = lease.extends
@@ -209,24 +225,25 @@ class LeaseSpanRecorder:
                 del kept[2:4]
                 kept.extend((now - lease.grant_s, deadline_s - lease.grant_s))
         for on_extend in self._on_extend:  # the per-heartbeat fast path (no event object)
-            on_extend(lease.remote_agent, gap_s)
+            on_extend(gap_s)
         for _observer, wants in self._wants[True]:
             if wants is None or wants(ev.EXTEND):  # someone logs extensions: build the event once
-                self._emit(ev.EXTEND, req_id, now, remote_agent=lease.remote_agent, gap_s=gap_s, deadline_remaining_s=deadline_s - now)
+                self._emit(ev.EXTEND, req_id, now, remote_agent=peer and peer.ref, gap_s=gap_s,
+                           deadline_remaining_s=deadline_s - now)
                 break
         return True
 
     def retrieval(self, req_id: str, *, remote_agent: str | None = None, now: float | None = None) -> bool:
-        """Record one read-completion notification (one consumer rank done). False if unknown."""
+        """Record one read-completion notification of ``remote_agent`` (one consumer rank done). False if unknown."""
         lease = self._open.get(req_id)
         if lease is None:
             return False
         now = self._clock() if now is None else now
         lease.retrievals += 1
-        if remote_agent and lease.remote_agent is None:
-            lease.remote_agent = remote_agent
+        if remote_agent and lease.peer is None:
+            lease.peer = self._peer(req_id, remote_agent, now)
         if len(lease.reads) < MAX_RETRIEVAL_EVENTS:
-            lease.reads += ((now, remote_agent),)
+            lease.reads += ((now, peer_ref(remote_agent) if remote_agent else None),)
         return True
 
     def release(self, req_id: str, *, now: float | None = None) -> bool:
@@ -248,29 +265,24 @@ class LeaseSpanRecorder:
 
     def late_read(self, req_id: str, *, remote_agent: str | None = None, now: float | None = None,
                   fail_closed: bool | None = None) -> bool:
-        """Record a read completion for a lease that already ended (a zero-length
-        ``kv_lease_late_read`` span; ``fail_closed``: the reading D discards the read, see
-        :attr:`LeaseEvent.fail_closed`). False (nothing recorded) if ``req_id`` is open or unknown."""
+        """Record a read completion of ``remote_agent`` (recorded as its peer reference) for a lease that
+        already ended (a zero-length ``kv_lease_late_read`` span; ``fail_closed``: the reading D discards the
+        read, see :attr:`LeaseEvent.fail_closed`). False (nothing recorded) if ``req_id`` is open or unknown."""
         ended = self._ended.get(req_id)
         if ended is None or req_id in self._open:
             return False
         now = self._clock() if now is None else now
         outcome, end_s = ended
-        attributes = {
-            sc.REQUEST_ID: req_id,
-            sc.ENGINE_ID: self._engine_id,
-            sc.TP_RANK: self._tp_rank,
-            sc.ENDED_OUTCOME: outcome,
-            sc.END_MONOTONIC_S: end_s,
-            sc.EV_MONOTONIC_S: now,
-            sc.LATE_BY_S: now - end_s,
-        }
-        if remote_agent:
-            attributes[sc.REMOTE_AGENT] = remote_agent
+        attributes = {sc.REQUEST_ID: req_id, sc.ENGINE_ID: self._engine_id, sc.TP_RANK: self._tp_rank,
+                      sc.ENDED_OUTCOME: outcome, sc.END_MONOTONIC_S: end_s, sc.EV_MONOTONIC_S: now,
+                      sc.LATE_BY_S: now - end_s}
+        ref = peer_ref(remote_agent) if remote_agent else None
+        if ref:
+            attributes[sc.REMOTE_AGENT] = ref
         if fail_closed is not None:
             attributes[sc.D_FAIL_CLOSED] = fail_closed
         self._spans.submit(partial(self._late_span, attributes, time.time_ns()))
-        self._emit(ev.LATE_READ, req_id, now, remote_agent=remote_agent, outcome=outcome, late_by_s=now - end_s,
+        self._emit(ev.LATE_READ, req_id, now, remote_agent=ref, outcome=outcome, late_by_s=now - end_s,
                    fail_closed=fail_closed)
         return True
 
@@ -289,49 +301,35 @@ class LeaseSpanRecorder:
             self.abort(req_id, reason)
         return len(ids)
 
-    def _end(
-        self,
-        req_id: str,
-        outcome: str,
-        event: str,
-        now: float | None,
-        *,
-        step_gap_s: float | None = None,
-        reason: str | None = None,
-        cause: str | None = None,
-    ) -> bool:
+    def _end(self, req_id: str, outcome: str, event: str, now: float | None, *, step_gap_s: float | None = None,
+             reason: str | None = None, cause: str | None = None) -> bool:
         lease = self._open.pop(req_id, None)
         if lease is None:
             return False
         now = self._clock() if now is None else now
         end_ns = time.time_ns()
-        expired = outcome == sc.OUTCOME_EXPIRED
+        expired, peer, peer_state = outcome == sc.OUTCOME_EXPIRED, lease.peer, None
         if not expired:
             cause = None
-        elif cause is None:
-            cause = ev.CAUSE_NO_HEARTBEAT if lease.extend_count == 0 else ev.CAUSE_HEARTBEAT_LAPSED
-        self._spans.submit(partial(self._build, req_id, lease, outcome, event, now, end_ns, step_gap_s, reason, cause))
+        else:
+            if cause is None:
+                cause = ev.CAUSE_NO_HEARTBEAT if lease.extend_count == 0 else ev.CAUSE_HEARTBEAT_LAPSED
+            peer_state = ev.PEER_UNKNOWN if peer is None else peer.state(now, self._timing.heartbeat_interval_s)
+            if peer_state == ev.PEER_SILENT:
+                peer.lapse(now)  # type: ignore[union-attr]  # reported if this agent is heard from again
+        self._spans.submit(partial(self._build, req_id, lease, outcome, event, now, end_ns, step_gap_s, reason, cause,
+                                   peer_state))
         self._ended[req_id] = (outcome, now)
         while len(self._ended) > self._ended_memory:
             self._ended.popitem(last=False)
-        self._emit(
-            event,
-            req_id,
-            now,
-            kv_blocks=lease.kv_blocks,
-            remote_agent=lease.remote_agent,
-            deadline_remaining_s=lease.deadline_s - now,
-            hold_s=now - lease.grant_s,
-            outcome=outcome,
-            cause=cause,
-            reclaim_lag_s=now - lease.deadline_s if expired else None,
-            step_gap_s=step_gap_s,
-            reason=reason,
-        )
+        self._emit(event, req_id, now, kv_blocks=lease.kv_blocks, remote_agent=peer and peer.ref,
+                   deadline_remaining_s=lease.deadline_s - now, hold_s=now - lease.grant_s, outcome=outcome,
+                   cause=cause, reclaim_lag_s=now - lease.deadline_s if expired else None, step_gap_s=step_gap_s,
+                   reason=reason, peer_state=peer_state)
         return True
 
     def _build(self, req_id: str, lease: _OpenLease, outcome: str, event: str, now: float, end_ns: int,
-               step_gap_s: float | None, reason: str | None, cause: str | None) -> None:
+               step_gap_s: float | None, reason: str | None, cause: str | None, peer_state: str | None) -> None:
         """Build and end the SDK span of an ended lease (on the span builder's thread in production):
         start time and event timestamps set back to each transition (``end_ns`` is wall-clock ns at ``now``)."""
 
@@ -358,13 +356,14 @@ class LeaseSpanRecorder:
         }
         if lease.kv_blocks is not None:
             attributes[sc.KV_BLOCKS] = int(lease.kv_blocks)
-        if lease.remote_agent:
-            attributes[sc.REMOTE_AGENT] = lease.remote_agent
+        if lease.peer is not None:
+            attributes[sc.REMOTE_AGENT] = lease.peer.ref
         if lease.last_extend_s is not None:
             attributes[sc.LAST_EXTEND_MONOTONIC_S] = lease.last_extend_s
         if expired:
             attributes[sc.RECLAIM_LAG_S] = now - lease.deadline_s
             attributes[sc.EXPIRY_CAUSE] = cause
+            attributes[sc.EXPIRY_PEER_STATE] = peer_state
         if step_gap_s is not None:
             attributes[sc.STEP_GAP_S] = step_gap_s
         if reason:

@@ -18,6 +18,9 @@ class LeaseTimeline:
 
     ``grant_s`` is the instant P stamped the lease (initial deadline - L); ``heartbeats_s`` are the
     instants P handled heartbeats naming it (capped list; ``heartbeat_count`` is the full count).
+    ``remote_agent`` is the span's ``leasekit.remote_agent``: the D worker's
+    :func:`~leasekit.lease.peerref.peer_ref` (``peer-<12 hex>``), not its agent name; None if P never heard
+    from one.
     """
 
     request_id: str

@@ -10,16 +10,18 @@ So the metrics appear on the ``/metrics`` endpoint of the same vLLM server users
 next to vLLM's own ``vllm:nixl_*`` metrics (:data:`VLLM_NIXL_METRICS`, untouched).
 
 Every metric carries vLLM's per-engine labels ``model_name`` and ``engine`` (the engine index
-inside one server) plus the labels listed here. No request ids as labels: per-request detail is
-in the lease spans. Counters say in their help text whether they count per request or per TP rank
-(docs/lease-model.md invariant 9). All times are seconds.
+inside one server) plus the labels listed here. Counters say in their help text whether they count
+per request or per TP rank (docs/lease-model.md invariant 9). All times are seconds.
 
-Remote peers: P-side metrics carry ``remote_agent``, the NIXL agent name of the D worker whose
-notification (heartbeat or read completion) P received. P cannot label by D's engine id: in pull
-mode D's handshake request is only ``(GET_META_MSG, pp_rank, tp_rank)`` (vllm 0.32.0
-``nixl/base_scheduler.py: _nixl_handshake_listener``) and notifications carry only the sender's
-agent name. One agent name per D worker process, so a D restart adds one label value. D-side
-metrics carry ``remote_engine_id``, the P engine id D heartbeats (``kv_transfer_params``).
+Bounded labels only: ``tp_rank``, ``kv_role`` and closed sets of values declared here (cause, peer
+state, outcome, proof, reason, fail_closed); on D also ``remote_engine_id``, the P engine id D
+heartbeats (an engine id from D's own handshake table, one per P engine D connected to). Never a
+request id (per-request detail is in the lease spans) and never a NIXL agent name: P learns which D
+worker a lease belongs to only from the sender's agent name on its notifications (in pull mode D's
+handshake request is only ``(GET_META_MSG, pp_rank, tp_rank)``, vllm 0.32.0
+``nixl/base_scheduler.py: _nixl_handshake_listener``), and that name is a claim any peer can make and a
+new value at every D restart. Spans and logs name that D by :func:`leasekit.lease.peerref.peer_ref`;
+metrics say only what P knew of it at an expiry (``peer_state``, :mod:`leasekit.telemetry.peers`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from leasekit.lease.codec import DECODE_ERROR_REASONS
+from leasekit.telemetry import lease_events as _ev
 from leasekit.lease.readgate import READ_OUTCOMES as _READ_OUTCOMES, READ_PROOFS as _READ_PROOFS
 
 VLLM_ENGINE_LABELS = ("model_name", "engine")
@@ -40,8 +43,15 @@ heartbeat (D never tracked it, or died or stalled before its first heartbeat); `
 heartbeats were delivered, then stopped for longer than the extension ``E``; ``max_hold``: the lease
 reached its hard cap on total life (``leasekit_max_hold_s``, default 480 s) while still heartbeated."""
 
+PEER_STATES = _ev.PEER_STATES
+"""``peer_state`` label values of expiries: what P knew of the lease's D agent at the reap
+(:mod:`leasekit.telemetry.peers`): ``heartbeating`` (it delivered a heartbeat for another lease less than
+2 H before: D is alive), ``silent`` (heard from before, not in the last 2 H: D died, stalled or was cut
+off), ``unknown`` (P never heard from a D about the lease)."""
+
 NOTIFICATION_DROP_REASONS = DECODE_ERROR_REASONS + (
     "unknown_id", "duplicate", "foreign_heartbeat", "foreign_completion", "bad_hello", "internal_error",
+    "unproven_heartbeat", "unproven_completion", "unproven_hello", "hello_not_allowed", "bad_heartbeat_id",
 )
 """``reason`` label values of :data:`NOTIFICATIONS_DROPPED`: the codec's refusals
 (:data:`leasekit.lease.codec.DECODE_ERROR_REASONS`, ``bad_protocol`` for a malformed ``LK1:`` message
@@ -50,7 +60,13 @@ agent than its sender), ``unknown_id`` (a completion for a request P
 never held), ``duplicate`` (a second completion from the same D agent for one lease),
 ``foreign_heartbeat`` / ``foreign_completion`` (from a NIXL agent other than the one the lease is
 bound to, :mod:`leasekit.lease.binding`) and ``internal_error`` (a bug in our handling; the message
-was dropped instead of crashing P's engine)."""
+was dropped instead of crashing P's engine); ``unproven_heartbeat`` / ``unproven_completion`` (a plain message
+or a wrong tag for a lease bound by proof, or a plain completion held in its claim window and voided when the
+lease was proven, docs/security.md), ``unproven_hello`` (a hello that proves no lease this P granted: P opens no
+connection), ``hello_not_allowed`` (a proven hello naming an address P does not allow) and ``bad_heartbeat_id``
+(one junk id of a heartbeat, counted per id: the others were handled)."""
+PROOF_KINDS = ("proven", "plain")
+"""``proof`` label values of :data:`BINDINGS` (:mod:`leasekit.lease.pkeeping`: ``PROVEN``, ``PLAIN``)."""
 
 READ_OUTCOMES = _READ_OUTCOMES
 """``outcome`` label values of :data:`READS` (:mod:`leasekit.lease.readgate`): ``verified`` (P confirmed
@@ -65,7 +81,7 @@ HOLD_OUTCOMES = ("released", "expired", "aborted")
 """``outcome`` label values of :data:`HOLD` (how the lease ended)."""
 
 UNKNOWN_REMOTE = "unknown"
-"""``remote_agent`` when P never learnt which D worker a lease belongs to (no heartbeat, no read)."""
+"""``remote_engine_id`` of D's zero series, before D heartbeats any P engine."""
 
 
 @dataclass(frozen=True)
@@ -118,14 +134,32 @@ GRANTS = MetricSpec(
 EXTENSIONS = MetricSpec(
     PREFIX + "extensions", "counter",
     "Lease extensions by delivered heartbeats: counts per request per TP rank (one heartbeat naming 3 "
-    "requests counts 3).", _RANK + ("remote_agent",), "P")
+    "requests counts 3).", _RANK, "P")
 RELEASES = MetricSpec(
     PREFIX + "releases", "counter",
     "Leases released because every consumer rank read the blocks: counts per request per TP rank.", _RANK, "P")
 EXPIRIES = MetricSpec(
     PREFIX + "expiries", "counter",
     "Leases expired and their KV blocks reclaimed by P's reaper: counts per request per TP rank. Never "
-    "counted as a transport failure.", _RANK + ("remote_agent", "cause"), "P")
+    "counted as a transport failure. peer_state: what P knew of the lease's D agent at the reap (heartbeating: "
+    "it still heartbeated other leases, D is alive; silent: not heard from for 2 heartbeat intervals; unknown: "
+    "P never heard from a D about the lease).", _RANK + ("cause", "peer_state"), "P")
+EXPIRED_PEER_RETURNS = MetricSpec(
+    PREFIX + "expired_peer_returns", "counter",
+    "Leases that expired while their D agent was silent (peer_state=\"silent\"), counted again when P heard "
+    "from that same D agent (a heartbeat or read of a later lease) within 10 minutes of the expiry: that D was "
+    "stalled or cut off, not dead (a restarted D is a new agent and never counts). Counts per expired lease per "
+    "P TP rank.", _RANK, "P")
+BINDINGS = MetricSpec(
+    PREFIX + "bindings", "counter",
+    "How P bound leases to their D, per TP rank: proof=\"proven\" by a tag from the grant's lease secret "
+    "(a LeaseKit D: no other peer can move the lease), proof=\"plain\" by a stock first contact (a stock D, or "
+    "a D that did not prove the lease in its claim window: exposure). A plain lease proven later counts in both.",
+    _RANK + ("proof",), "P")
+HEARTBEAT_UNKNOWN_IDS = MetricSpec(
+    PREFIX + "heartbeat_unknown_ids", "counter",
+    "Ids in D's heartbeats that P held no lease for (not granted yet, already ended, or made up): counts per "
+    "id, per TP rank.", _RANK, "P")
 ABORTS = MetricSpec(
     PREFIX + "aborts", "counter",
     "Leases ended neither by release nor expiry (request aborted, worker shutdown): counts per request "
@@ -137,7 +171,7 @@ LATE_COMPLETIONS = MetricSpec(
     "the D agent speaks the fail-closed protocol, P answered it 'reaped' and D discards the read (unless an "
     "ack had already proven it finished in time); "
     "fail_closed=\"false\": the read may have become tokens.",
-    _RANK + ("remote_agent", "fail_closed"), "P")
+    _RANK + ("fail_closed",), "P")
 HEARTBEATS_SENT = MetricSpec(
     PREFIX + "heartbeats_sent", "counter",
     "Heartbeat notifications D sent: counts per notification (one per remote P engine per P TP rank per "
@@ -244,8 +278,8 @@ HANDSHAKE_BAD_REQUESTS = MetricSpec(
     "shape or tag, unknown rank, oversized, wrong frames): counts per request, by reason.", ("reason",), "P")
 
 LEASEKIT_METRICS: tuple[MetricSpec, ...] = (
-    LEASES_ACTIVE, PINNED_BLOCKS, EXPIRING_SOON, GRANTS, EXTENSIONS, RELEASES, EXPIRIES, ABORTS,
-    LATE_COMPLETIONS, HEARTBEATS_SENT, HEARTBEAT_SEND_FAILURES, HOLD, HEARTBEAT_GAP, RECLAIM_LAG,
+    LEASES_ACTIVE, PINNED_BLOCKS, EXPIRING_SOON, GRANTS, EXTENSIONS, RELEASES, EXPIRIES, EXPIRED_PEER_RETURNS,
+    BINDINGS, HEARTBEAT_UNKNOWN_IDS, ABORTS, LATE_COMPLETIONS, HEARTBEATS_SENT, HEARTBEAT_SEND_FAILURES, HOLD, HEARTBEAT_GAP, RECLAIM_LAG,
     DURATION, HEARTBEAT_INTERVAL, EXTENSION, NOTIFICATIONS_DROPPED, MAX_HOLD,
     READS, READ_VERDICT_WAIT, READ_PROOFS_METRIC, VERDICT_SEND_FAILURES, PLEDGE_HOLD, SPANS_DROPPED,
     HANDSHAKE_LISTENER_UP, HANDSHAKE_REQUESTS, HANDSHAKE_BAD_REQUESTS,

@@ -33,6 +33,9 @@ ENGINE_ID = "leasekit.engine_id"
 KV_ROLE = "leasekit.kv_role"
 TP_RANK = "leasekit.tp_rank"
 REMOTE_AGENT = "leasekit.remote_agent"
+"""The D worker P heard from about the lease: :func:`leasekit.lease.peerref.peer_ref` of its NIXL agent name
+(``peer-<12 hex>``), never the name itself (a claim any peer can make). The key keeps its old name so
+tools that read it keep working; the value is a reference."""
 KV_BLOCKS = "leasekit.kv_blocks"
 LEASE_DURATION_S = "leasekit.lease_duration_s"
 EXTENSION_S = "leasekit.extension_s"
@@ -46,6 +49,7 @@ EXTEND_EVENTS_DROPPED = "leasekit.extend_events_dropped"
 RETRIEVALS = "leasekit.retrievals"
 OUTCOME = "leasekit.outcome"
 EXPIRY_CAUSE = "leasekit.expiry_cause"  # no_heartbeat | heartbeat_lapsed | max_hold (expired leases)
+EXPIRY_PEER_STATE = "leasekit.expiry_peer_state"  # heartbeating | silent | unknown (telemetry/peers.py)
 ABORT_REASON = "leasekit.abort_reason"
 RECLAIM_LAG_S = "leasekit.reclaim_lag_s"
 STEP_GAP_S = "leasekit.step_gap_s"
@@ -88,4 +92,6 @@ READ_PROOF = "leasekit.read_proof"  # verified reads: verdict | ack | pledge (wh
 PLEDGE_UNTIL_MONOTONIC_S = "leasekit.pledge_until_monotonic_s"  # P: the grant pledge's end, worker clock
 PLEDGE_HOLD_S = "leasekit.pledge_hold_s"  # P: seconds the blocks stayed pinned after the completion
 READ_AGENTS = "leasekit.read_agents"
+"""D-side read span: the P agents the read came from, each as :func:`leasekit.lease.peerref.peer_ref` of its
+NIXL agent name (never the name; same rule as :data:`REMOTE_AGENT`)."""
 READ_DISCARDED_OUTCOMES = ("reaped", "timeout", "ungated")

@@ -78,6 +78,7 @@ from leasekit.lease.settings import (  # noqa: E402
     fail_closed_enabled,
     notification_settings,
     pledge_seconds,
+    verdict_allow,
     verdict_timeout,
 )
 from leasekit.vllm.decode.gate import DReadGate  # noqa: E402
@@ -89,11 +90,14 @@ from leasekit.vllm.kvdigest import KV_DIGEST_ATTR, kv_digest  # noqa: E402
 from leasekit.vllm.clockid import local_clock_id  # noqa: E402
 from leasekit.lease.readgate import agent_name  # noqa: E402
 from leasekit.vllm.prefill.hooks import PHooks, build_prefill  # noqa: E402
+from leasekit.lease.peerref import peer_ref  # noqa: E402
 from leasekit.vllm.prefill.vllmstate import VllmSendState  # noqa: E402
 from leasekit.vllm.scheduler import (  # noqa: E402
     METADATA_BLOCK_IDS_ATTR,
     METADATA_BLOCKS_ATTR,
     METADATA_FINISHED_ATTR,
+    METADATA_LEASE_KEY_ATTR,
+    METADATA_PEERS_ATTR,
     METADATA_PROTECTED_ATTR,
     METADATA_TRACE_ATTR,
     METADATA_TRACKED_ATTR,
@@ -185,7 +189,8 @@ class LeaseKitPullWorker(PHooks, DHooks, NixlPullConnectorWorker):
                                    recorder=self._lk, stats=self._lk_stats, errors=self._lk_errors,
                                    own_agent=agent_name(getattr(self.nixl_wrapper, "name", "")), fail_closed=fail_closed,
                                    pledge_s=pledge_seconds(self.kv_transfer_config, timing.lease_duration_s),
-                                   clock_id=local_clock_id())  # P's components: leasekit.vllm.prefill
+                                   clock_id=local_clock_id(),  # P's components: leasekit.vllm.prefill
+                                   verdict_allow=verdict_allow(self.kv_transfer_config))
         self._lk_faults = FaultPoints.from_env(self.tp_rank)
         self._lk_hb = HeartbeatSpanRecorder(tracer, engine_id=engine_id, tp_rank=self.tp_rank, kv_role=kv_role)
         d_state = VllmDState(self)  # D's components: leasekit.vllm.decode
@@ -205,9 +210,11 @@ class LeaseKitPullWorker(PHooks, DHooks, NixlPullConnectorWorker):
             self._lk_faults.write_state()  # first clock probe
             logger.warning("LeaseKitConnector fault points ENABLED (%s): for chaos testing only", self._lk_faults.path)
         logger.info(
-            "LeaseKitConnector worker tp_rank=%d engine=%s: L=%s s, H=%s s, E=%s s; lease spans -> %s",
+            "LeaseKitConnector worker tp_rank=%d engine=%s NIXL agent %s (%s): L=%s s, H=%s s, E=%s s; lease spans -> %s",
             self.tp_rank,
             engine_id,
+            self._lk_p.replies.own_agent,
+            peer_ref(self._lk_p.replies.own_agent),
             timing.lease_duration_s,
             timing.heartbeat_interval_s,
             timing.extension_s,
@@ -234,7 +241,8 @@ class LeaseKitPullWorker(PHooks, DHooks, NixlPullConnectorWorker):
             self._lk_p.leases.index(metadata.reqs_to_send, now)  # outside the telemetry guard
             self._lk_grants(metadata)
         self._lk_p.pledges.take(metadata, now)
-
+        self._lk_p.take_metadata(getattr(metadata, METADATA_LEASE_KEY_ATTR, None),
+                                 getattr(metadata, METADATA_PEERS_ATTR, None))
 
     def _lk_grants(self, metadata: Any) -> None:
         """A grant (lease span) for each new ``_reqs_to_send`` entry of this step's metadata."""

@@ -18,6 +18,7 @@ from types import MappingProxyType
 
 from leasekit.lease.codec import PROTOCOL_PARAM
 from leasekit.lease.pledge import PLEDGE_PARAM
+from leasekit.lease.proof import TOKEN_PARAM
 
 __all__ = ["ClassNeeds", "LEASEKIT_PREFIXES", "NIXL", "RELEASE_NEEDS", "ReleaseNeeds", "WireNeeds"]
 
@@ -210,7 +211,8 @@ _KV_PARAMS_032 = MappingProxyType({key: _PARAM_SITES for key in (
 # attributes its scheduler sets (leasekit/vllm/scheduler.py METADATA_*_ATTR).
 _LEASEKIT_KEYS = (PROTOCOL_PARAM, PLEDGE_PARAM, "leasekit_kv_blocks", "leasekit_trace_headers", "leasekit_tracked",
                   "leasekit_untracked", "leasekit_protected", "leasekit_finished", "leasekit_kv_block_ids",
-                  "leasekit_pledges", "leasekit_pledge_clock")
+                  "leasekit_pledges", "leasekit_pledge_clock", TOKEN_PARAM, "leasekit_lease_key",
+                  "leasekit_side_channel_peers")
 
 _NEEDS_032 = dict(wire=_WIRE_032, kv_params=_KV_PARAMS_032, leasekit_keys=_LEASEKIT_KEYS)
 

@@ -19,6 +19,7 @@ from vllm.utils.network_utils import make_zmq_path
 
 from leasekit.lease.codec import D_ACCEPTED_VERSIONS, PROTOCOL_PARAM, PROTOCOL_VERSION
 from leasekit.lease.pledge import PLEDGE_PARAM, encode_pledge, parse_pledge, pledge_until
+from leasekit.lease.proof import TOKEN_PARAM, lease_secret, new_engine_key, parse_secret, secret_text
 from leasekit.telemetry.lease_log import RateLimitedWarning
 from leasekit.lease.settings import fail_closed_enabled, pledge_seconds
 from leasekit.vllm.clockid import local_clock_id
@@ -42,6 +43,8 @@ METADATA_FINISHED_ATTR = "leasekit_finished"
 METADATA_BLOCK_IDS_ATTR = "leasekit_kv_block_ids"
 METADATA_PLEDGES_ATTR = "leasekit_pledges"
 METADATA_PLEDGE_CLOCK_ATTR = "leasekit_pledge_clock"
+METADATA_LEASE_KEY_ATTR = "leasekit_lease_key"
+METADATA_PEERS_ATTR = "leasekit_side_channel_peers"
 
 
 class LeaseKitPullScheduler(NixlPullConnectorScheduler):
@@ -71,6 +74,7 @@ class LeaseKitPullScheduler(NixlPullConnectorScheduler):
         self._leasekit_block_ids: dict[str, list[int]] = {}  # only with fault points (kvdigest.py)
         self._lk_digests = bool(os.environ.get(FAULT_FILE_ENV))
         self._lk_listener = ListenerHealth()
+        self._lk_lease_key = new_engine_key() if self._lk_fail_closed else None  # never leaves P's processes
         self._lk_listener_stats = ListenerStatsReporter()
         self._lk_listener_report = bool(vllm_config.kv_transfer_config.is_kv_producer)
         self._lk_listener_warning = RateLimitedWarning(logger)
@@ -117,6 +121,7 @@ class LeaseKitPullScheduler(NixlPullConnectorScheduler):
             self._leasekit_finished.append(request.request_id)
         if self._lk_fail_closed and delay_free and isinstance(params, dict) and params.get("do_remote_prefill"):
             params[PROTOCOL_PARAM] = PROTOCOL_VERSION  # D may hold its read for P's verdict (decode/gate.py)
+            params[TOKEN_PARAM] = secret_text(lease_secret(self._lk_lease_key, request.request_id))  # proof.py
             deadline = self._reqs_need_send.get(request.request_id)
             if self._lk_clock_id is not None and deadline is not None:
                 until = pledge_until(time.perf_counter(), self._lk_pledge_s, deadline)
@@ -141,9 +146,12 @@ class LeaseKitPullScheduler(NixlPullConnectorScheduler):
         marker = params.get(PROTOCOL_PARAM) if params else None
         if params and params.get("do_remote_prefill") and type(marker) is int and marker in D_ACCEPTED_VERSIONS:
             pledge = parse_pledge(params.get(PLEDGE_PARAM))
+            secret = parse_secret(params.get(TOKEN_PARAM)) if marker >= 4 else None
             self._leasekit_protected.append([request.request_id, params.get("remote_engine_id"),
                                              params.get("remote_host"),
-                                             None if pledge is None else list(params[PLEDGE_PARAM])])
+                                             None if pledge is None else list(params[PLEDGE_PARAM]),
+                                             params.get("remote_request_id"),
+                                             None if secret is None else params[TOKEN_PARAM], marker])
             self._lk_protected_ids.add(request.request_id)
         key = self._heartbeat_req_engine.get(request.request_id)
         if key is not None:
@@ -163,10 +171,14 @@ class LeaseKitPullScheduler(NixlPullConnectorScheduler):
         """Stock metadata plus this step's ``leasekit_kv_blocks`` (req_id -> blocks),
         ``leasekit_trace_headers`` (req_id -> headers), ``leasekit_tracked`` and ``leasekit_untracked``
         (D's heartbeat tracking), ``leasekit_protected`` (``[D request id, P engine id, P side-channel
-        host, pledge [until_us, clock id] or None]`` P marked for the fail-closed protocol), ``leasekit_finished`` (protected requests that finished on D) and
+        host, pledge [until_us, clock id] or None, P request id, lease secret hex or None, marker]`` P marked for the
+        fail-closed protocol), ``leasekit_finished`` (protected requests that finished on D) and
         ``leasekit_kv_block_ids`` (req_id -> block ids, only with chaos fault points) and ``leasekit_pledges`` (P:
         req_id -> pledge end, seconds on this process's ``perf_counter``, rebased by the workers like vLLM's
-        deadlines) with ``leasekit_pledge_clock`` (this process's clock id); each emptied after."""
+        deadlines) with ``leasekit_pledge_clock`` (this process's clock id), ``leasekit_lease_key`` (P: the engine key
+        its workers check lease proofs with, :mod:`leasekit.lease.proof`; None when P mints no secrets) and
+        ``leasekit_side_channel_peers`` (P: the addresses the handshake listener served since the last step, the
+        default verdict-channel allowlist); each emptied after."""
         meta = super().build_connector_meta(scheduler_output)
         if not self._lk_ready:
             return meta
@@ -179,6 +191,8 @@ class LeaseKitPullScheduler(NixlPullConnectorScheduler):
         setattr(meta, METADATA_BLOCK_IDS_ATTR, self._leasekit_block_ids)
         setattr(meta, METADATA_PLEDGES_ATTR, self._leasekit_pledges)
         setattr(meta, METADATA_PLEDGE_CLOCK_ATTR, self._lk_clock_id)
+        setattr(meta, METADATA_LEASE_KEY_ATTR, self._lk_lease_key)
+        setattr(meta, METADATA_PEERS_ATTR, self._lk_listener.take_peers())
         self._leasekit_blocks, self._leasekit_trace, self._leasekit_block_ids = {}, {}, {}
         self._leasekit_pledges = {}
         self._leasekit_tracked, self._leasekit_untracked, self._leasekit_protected = [], [], []

@@ -16,6 +16,10 @@ and the API server's ``PrometheusStatLogger`` passes the dict to the connector c
   ``NixlPromMetrics``) plus every metric in :mod:`leasekit.telemetry.metrics`, and records both.
 
 Requires log stats enabled in vLLM (the default; ``--disable-log-stats`` turns every such metric off).
+
+No entry carries a request id or a NIXL agent name: only the closed label values of the catalog (TP rank,
+kv_role, outcome, cause, peer state, reason, ...) and, on D, the P engine id heartbeats go to. So nothing a
+peer claims about itself, and nothing that grows with requests or D restarts, can reach ``/metrics``.
 """
 
 from __future__ import annotations
@@ -31,9 +35,10 @@ from leasekit.telemetry.lease_events import LeaseEvent
 
 # Keys of the lk_* lists; entries are lists (msgpack-serialisable), rank first.
 GRANTS = "lk_grants"  # [rank]
-EXTENSIONS = "lk_extensions"  # [rank, remote_agent, gap_s]
-ENDS = "lk_ends"  # [rank, outcome, hold_s, remote_agent, cause, reclaim_lag_s]
-LATE = "lk_late"  # [rank, remote_agent, fail_closed ("true"|"false")]
+EXTENSIONS = "lk_extensions"  # [rank, gap_s]
+ENDS = "lk_ends"  # [rank, outcome, hold_s, cause, peer_state, reclaim_lag_s]
+LATE = "lk_late"  # [rank, fail_closed ("true"|"false")]
+PEER_RETURNS = "lk_peer_returns"  # [rank, count]  silent expiries whose D agent was heard from again
 HEARTBEATS = "lk_heartbeats"  # [rank, remote_engine_id, ok (1|0)]
 STATE = "lk_state"  # [rank, active, pinned_blocks, expiring_soon]  latest wins
 CONFIG = "lk_config"  # [rank, kv_role, L, H, E]
@@ -43,9 +48,11 @@ READS = "lk_reads"  # [rank, outcome, wait_s, proof]  D's read gate, one per dec
 VERDICT_FAILS = "lk_verdict_fails"  # [rank]  P failed to send a read verdict
 PLEDGE_HOLDS = "lk_pledge_holds"  # [rank, held_s]  P kept a completed lease's blocks until its pledge ended
 SPAN_DROPS = "lk_span_drops"  # [rank, reason, count]  spans not exported since the last step
+BINDINGS = "lk_bindings"  # [rank, proof, count]  one entry per kind per step
+UNKNOWN_IDS = "lk_unknown_ids"  # [rank, count]  heartbeat ids P held no lease for
 LISTENER = "lk_listener"  # [up (1|0), served_total, {reason: total}]  scheduler side, no rank; latest wins
-LEASE_KEYS = (GRANTS, EXTENSIONS, ENDS, LATE, HEARTBEATS, STATE, CONFIG, DROPS, MAX_HOLD, READS, VERDICT_FAILS,
-              PLEDGE_HOLDS, SPAN_DROPS, LISTENER)
+LEASE_KEYS = (GRANTS, EXTENSIONS, ENDS, LATE, PEER_RETURNS, HEARTBEATS, STATE, CONFIG, DROPS, MAX_HOLD, READS,
+              VERDICT_FAILS, PLEDGE_HOLDS, SPAN_DROPS, BINDINGS, UNKNOWN_IDS, LISTENER)
 
 
 class LeaseKitKVConnectorStats(NixlKVConnectorStats):
@@ -89,41 +96,59 @@ class LeaseStatsObserver:
         self._last_state: tuple[int, int, int] | None = None
 
     def __call__(self, event: LeaseEvent) -> None:
-        """Record ``event`` (a :class:`LeaseEvent`)."""
+        """Record ``event`` (a :class:`LeaseEvent`); its request id and peer reference are not recorded."""
         data, rank = self.stats.data, self.tp_rank
-        remote = event.remote_agent or m.UNKNOWN_REMOTE
         if event.kind == ev.GRANT:
             self.active += 1
             self.pinned_blocks += event.kv_blocks or 0
             data[GRANTS].append([rank])
         elif event.kind == ev.EXTEND:
-            data[EXTENSIONS].append([rank, remote, float(event.gap_s or 0.0)])
+            data[EXTENSIONS].append([rank, float(event.gap_s or 0.0)])
         elif event.kind in (ev.RELEASE, ev.EXPIRE, ev.ABORT):
             self.active = max(0, self.active - 1)
             self.pinned_blocks = max(0, self.pinned_blocks - (event.kv_blocks or 0))
             data[ENDS].append(
-                [rank, event.outcome, float(event.hold_s or 0.0), remote, event.cause or "", event.reclaim_lag_s]
+                [rank, event.outcome, float(event.hold_s or 0.0), event.cause or "", event.peer_state or "",
+                 event.reclaim_lag_s]
             )
         elif event.kind == ev.LATE_READ:
-            data[LATE].append([rank, remote, "true" if event.fail_closed else "false"])
+            data[LATE].append([rank, "true" if event.fail_closed else "false"])
+        elif event.kind == ev.PEER_RETURNED:
+            data[PEER_RETURNS].append([rank, int(event.count or 0)])
 
-    def on_extend(self, remote_agent: str | None, gap_s: float | None) -> None:
+    def on_extend(self, gap_s: float) -> None:
         """Record one extension (a delivered heartbeat naming a live lease): ``gap_s`` seconds since the
         lease's previous heartbeat or its grant. The fast path of ``__call__`` for EXTEND events."""
-        self.stats.data[EXTENSIONS].append([self.tp_rank, remote_agent or m.UNKNOWN_REMOTE, float(gap_s or 0.0)])
+        self.stats.data[EXTENSIONS].append([self.tp_rank, gap_s])
 
     def heartbeat(self, remote_engine_id: str, ok: bool) -> None:
         """Record one heartbeat notification D sent (``ok``) or failed to send to ``remote_engine_id``."""
         self.stats.data[HEARTBEATS].append([self.tp_rank, str(remote_engine_id), 1 if ok else 0])
 
-    def dropped(self, reason: str) -> None:
-        """Record one notification P dropped (``reason``: one of ``metrics.NOTIFICATION_DROP_REASONS``)."""
-        entries = self.stats.data[DROPS]
+    def dropped(self, reason: str, count: int = 1) -> None:
+        """Record ``count`` notifications (or, ``bad_heartbeat_id``, heartbeat ids) P dropped (``reason``: one of
+        ``metrics.NOTIFICATION_DROP_REASONS``)."""
+        self._add(DROPS, str(reason), count)
+
+    def binding(self, proof: str) -> None:
+        """Record that P bound one lease by ``proof`` (``proven`` or ``plain``, ``metrics.PROOF_KINDS``)."""
+        self._add(BINDINGS, str(proof), 1)
+
+    def heartbeat_unknown_ids(self, count: int) -> None:
+        """Record ``count`` heartbeat ids P held no lease for."""
+        entries = self.stats.data[UNKNOWN_IDS]
+        if entries:
+            entries[0][1] += int(count)
+        else:
+            entries.append([self.tp_rank, int(count)])
+
+    def _add(self, key: str, label: str, count: int) -> None:
+        entries = self.stats.data[key]
         for entry in entries:
-            if entry[1] == reason:
-                entry[2] += 1
+            if entry[1] == label:
+                entry[2] += int(count)
                 return
-        entries.append([self.tp_rank, str(reason), 1])
+        entries.append([self.tp_rank, label, int(count)])
 
     def read(self, outcome: str, wait_s: float, proof: str | None = None) -> None:
         """Record one read D's gate decided (``outcome``: one of ``metrics.READ_OUTCOMES``; ``wait_s``:
@@ -220,7 +245,8 @@ class LeaseKitPromMetrics(NixlPromMetrics):
     def _zero_series(self, engine_idx: int, rank: object, kv_role: str) -> None:
         """Export every series this worker's role can produce at zero (Prometheus instrumentation
         practice: "avoid missing metrics"), so rates and alerts see 0, not absence, before the first
-        event. Remote peers are not known yet: their series start under ``remote_*="unknown"``."""
+        event. Every P-side label is a closed set, so every series exists from the start; on D the P engines
+        are not known yet: their series start under ``remote_engine_id="unknown"``."""
         sides = {"kv_producer": ("P",), "kv_consumer": ("D",)}.get(kv_role, ("P", "D"))
         for spec in m.LEASEKIT_METRICS:
             if spec.side not in sides + ("both",) or "kv_role" in spec.labels:
@@ -229,9 +255,9 @@ class LeaseKitPromMetrics(NixlPromMetrics):
                 continue                          # its own entry, see _listener
             extra: list[list[str]] = [[]]
             for label in spec.labels[1:]:  # tp_rank first
-                values = {"cause": m.EXPIRY_CAUSES,
+                values = {"cause": m.EXPIRY_CAUSES, "peer_state": m.PEER_STATES,
                           "outcome": m.READ_OUTCOMES if spec is m.READS else m.HOLD_OUTCOMES,
-                          "proof": m.READ_PROOFS,
+                          "proof": m.PROOF_KINDS if spec is m.BINDINGS else m.READ_PROOFS,
                           "reason": m.SPAN_DROP_REASONS if spec is m.SPANS_DROPPED else m.NOTIFICATION_DROP_REASONS,
                           "fail_closed": ("false",)}.get(label, (m.UNKNOWN_REMOTE,))
                 extra = [e + [v] for e in extra for v in values]
@@ -244,21 +270,23 @@ class LeaseKitPromMetrics(NixlPromMetrics):
         d = transfer_stats_data
         for (rank,) in d.get(GRANTS, ()):
             self._child(m.GRANTS, engine_idx, rank).inc()
-        for rank, remote, gap_s in d.get(EXTENSIONS, ()):
-            self._child(m.EXTENSIONS, engine_idx, rank, remote).inc()
+        for rank, gap_s in d.get(EXTENSIONS, ()):
+            self._child(m.EXTENSIONS, engine_idx, rank).inc()
             self._child(m.HEARTBEAT_GAP, engine_idx, rank).observe(gap_s)
-        for rank, outcome, hold_s, remote, cause, lag_s in d.get(ENDS, ()):
+        for rank, outcome, hold_s, cause, peer_state, lag_s in d.get(ENDS, ()):
             self._child(m.HOLD, engine_idx, rank, outcome).observe(hold_s)
             if outcome == "released":
                 self._child(m.RELEASES, engine_idx, rank).inc()
             elif outcome == "expired":
-                self._child(m.EXPIRIES, engine_idx, rank, remote, cause).inc()
+                self._child(m.EXPIRIES, engine_idx, rank, cause, peer_state).inc()
                 if lag_s is not None:
                     self._child(m.RECLAIM_LAG, engine_idx, rank).observe(max(0.0, lag_s))
             else:
                 self._child(m.ABORTS, engine_idx, rank).inc()
-        for rank, remote, *fail_closed in d.get(LATE, ()):
-            self._child(m.LATE_COMPLETIONS, engine_idx, rank, remote, (fail_closed or ["false"])[0]).inc()
+        for rank, fail_closed in d.get(LATE, ()):
+            self._child(m.LATE_COMPLETIONS, engine_idx, rank, "true" if fail_closed == "true" else "false").inc()
+        for rank, count in d.get(PEER_RETURNS, ()):
+            self._child(m.EXPIRED_PEER_RETURNS, engine_idx, rank).inc(count)
         for rank, remote_engine, ok in d.get(HEARTBEATS, ()):
             spec = m.HEARTBEATS_SENT if ok else m.HEARTBEAT_SEND_FAILURES
             self._child(spec, engine_idx, rank, remote_engine).inc()
@@ -272,7 +300,13 @@ class LeaseKitPromMetrics(NixlPromMetrics):
             self._child(m.HEARTBEAT_INTERVAL, engine_idx, role).set(interval_s)
             self._child(m.EXTENSION, engine_idx, role).set(extension_s)
         for rank, reason, count in d.get(DROPS, ()):
-            self._child(m.NOTIFICATIONS_DROPPED, engine_idx, rank, reason).inc(count)
+            if reason in m.NOTIFICATION_DROP_REASONS:  # a bounded label set, whatever arrives
+                self._child(m.NOTIFICATIONS_DROPPED, engine_idx, rank, reason).inc(count)
+        for rank, proof, count in d.get(BINDINGS, ()):
+            if proof in m.PROOF_KINDS:
+                self._child(m.BINDINGS, engine_idx, rank, proof).inc(count)
+        for rank, count in d.get(UNKNOWN_IDS, ()):
+            self._child(m.HEARTBEAT_UNKNOWN_IDS, engine_idx, rank).inc(count)
         for rank, outcome, wait_s, *proof in d.get(READS, ()):
             self._child(m.READS, engine_idx, rank, outcome).inc()
             if proof and proof[0] in m.READ_PROOFS:

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 from leasekit.lease.codec import HEARTBEAT_PREFIX as _HEARTBEAT_TEXT
 from leasekit.telemetry.lease_log import RateLimitedWarning
@@ -15,6 +16,58 @@ HEARTBEAT_PREFIX = _HEARTBEAT_TEXT.encode()
 """``b"HB:"``: heartbeat notifications are ``b"HB:" + b",".join(ids)`` (vllm 0.32.0 and 0.33.0
 ``nixl/base_worker.py``; the ``heartbeat_prefix`` wire record of :mod:`leasekit.vllm.needs`), the
 prefix of LeaseKit's codec (:mod:`leasekit.lease.codec`) encoded."""
+
+MAX_HEARTBEAT_CHUNK_BYTES = 256 * 1024
+"""Largest heartbeat notification a LeaseKit D sends, in bytes: a longer heartbeat is split into several, each
+a complete ``HB:`` heartbeat within this size (:func:`split_heartbeat`). A quarter of LeaseKit P's default
+ceiling (1 MiB, :data:`leasekit.lease.codec.DEFAULT_MAX_BYTES`), which drops a larger notification whole."""
+
+
+class WireHeartbeat(NamedTuple):
+    """One heartbeat notification a tap's ``rewrite`` asks it to send: ``wire``, the bytes NIXL sends, and
+    ``original``, ``b"HB:" + b",".join(ids)`` of the ids it carries as vLLM named them (no lease proof, no
+    sequence token): what ``on_heartbeat_sent`` is told."""
+
+    wire: bytes
+    original: bytes
+
+
+def split_heartbeat(ids: Sequence[str], wire_ids: Sequence[str], limit: int = MAX_HEARTBEAT_CHUNK_BYTES
+                    ) -> list[WireHeartbeat]:
+    """Split one heartbeat into complete heartbeats of at most ``limit`` bytes each.
+
+    Args:
+        ids: the heartbeat's ids as vLLM named them (``original`` of each part).
+        wire_ids: the same ids as they go on the wire (same length and order; e.g. with a lease proof).
+        limit: bytes per part, ``b"HB:"`` included (> ``len(b"HB:")``; a caller that appends a sequence token
+            passes the limit less the token's room).
+
+    Returns:
+        The parts, in order, together carrying every id exactly once (consecutive runs of ``wire_ids``);
+        an id whose part would exceed ``limit`` even alone is sent alone (P refuses it, the others go through).
+        One part, ``[WireHeartbeat(b"HB:", b"HB:")]``, for no ids.
+
+    Raises:
+        ValueError: ``ids`` and ``wire_ids`` differ in length.
+        UnicodeEncodeError: an id holds a lone surrogate (vLLM's own ``encode`` would have raised first).
+    """
+    if len(ids) != len(wire_ids):
+        raise ValueError(f"{len(ids)} ids but {len(wire_ids)} wire ids")
+    parts: list[WireHeartbeat] = []
+    start, size = 0, len(HEARTBEAT_PREFIX)
+    for i, wire_id in enumerate(wire_ids):
+        n = len(wire_id.encode()) + (1 if i > start else 0)  # "," before every id but a part's first
+        if i > start and size + n > limit:
+            parts.append(_heartbeat_part(ids, wire_ids, start, i))
+            start, size, n = i, len(HEARTBEAT_PREFIX), n - 1
+        size += n
+    parts.append(_heartbeat_part(ids, wire_ids, start, len(wire_ids)))
+    return parts
+
+
+def _heartbeat_part(ids: Sequence[str], wire_ids: Sequence[str], start: int, end: int) -> WireHeartbeat:
+    return WireHeartbeat(HEARTBEAT_PREFIX + ",".join(wire_ids[start:end]).encode(),
+                         HEARTBEAT_PREFIX + ",".join(ids[start:end]).encode())
 
 
 class TelemetryErrors:
@@ -62,24 +115,31 @@ class NotificationTap:
         self._agent_by_msg: dict[bytes, str] | None = None
         self._on_heartbeat_sent = on_heartbeat_sent  # (agent_name, notif_msg, ok) -> None
         self.last_send_started: float | None = None  # perf_counter() just before the last heartbeat send
-        self.rewrite: Any = None  # (agent_name, notif_msg, started_s) -> the heartbeat bytes to send
+        self.rewrite: Any = None  # (agent_name, notif_msg, started_s) -> bytes, or a list of WireHeartbeat
 
     def send_notif(self, agent_name: str, notif_msg: bytes, *args: Any, **kwargs: Any) -> Any:
-        """NIXL ``send_notif``; heartbeats (``HB:``) are reported to ``on_heartbeat_sent`` with
-        whether the send raised (the exception still propagates to vLLM, which logs it at DEBUG);
-        ``last_send_started`` holds the ``perf_counter`` seconds read just before the send, and
-        ``rewrite`` (if set) may change the heartbeat's bytes on the wire (the callback still gets the
-        original)."""
+        """NIXL ``send_notif``. Anything but a heartbeat (``HB:``) goes through unchanged. A heartbeat:
+        ``last_send_started`` holds the ``perf_counter`` seconds read just before the first send, and
+        ``rewrite(agent_name, notif_msg, last_send_started)`` (if set) says what goes on the wire: bytes (one
+        notification) or a list of :class:`WireHeartbeat` (several, sent in order; a heartbeat too large for
+        one notification). ``on_heartbeat_sent(agent_name, original, ok)`` is told once per notification
+        actually attempted, with the ids that notification carries as vLLM named them (``notif_msg`` itself
+        for a single one) and whether its send returned (``ok``) or raised. The first send that raises stops
+        the rest (as vLLM's own single send would: the later parts are neither sent nor reported) and its
+        exception propagates to vLLM, which logs it at DEBUG. Returns the last send's result."""
         if self._on_heartbeat_sent is None or not bytes(notif_msg).startswith(HEARTBEAT_PREFIX):
             return self._wrapped.send_notif(agent_name, notif_msg, *args, **kwargs)
         self.last_send_started = time.perf_counter()
         wire = notif_msg if self.rewrite is None else self.rewrite(agent_name, notif_msg, self.last_send_started)
-        try:
-            result = self._wrapped.send_notif(agent_name, wire, *args, **kwargs)
-        except Exception:
-            self._on_heartbeat_sent(agent_name, notif_msg, False)
-            raise
-        self._on_heartbeat_sent(agent_name, notif_msg, True)
+        parts = [WireHeartbeat(wire, notif_msg)] if isinstance(wire, (bytes, bytearray, memoryview)) else wire
+        result = None
+        for part in parts:
+            try:
+                result = self._wrapped.send_notif(agent_name, part.wire, *args, **kwargs)
+            except Exception:
+                self._on_heartbeat_sent(agent_name, part.original, False)
+                raise
+            self._on_heartbeat_sent(agent_name, part.original, True)
         return result
 
     def get_new_notifs(self, *args: Any, **kwargs: Any) -> dict[str, list[bytes]]:

@@ -30,8 +30,11 @@ import secrets
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import zmq
+
+from leasekit.lease.proof import TAG_HEX_CHARS
 
 MAX_MESSAGE_BYTES = 64 * 1024
 """``ZMQ_MAXMSGSIZE`` of D's inbox, in bytes: a peer sending a larger frame is disconnected by libzmq. A
@@ -74,6 +77,11 @@ MAX_ENDPOINT_CHARS = 300
 
 _ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]{2,45}\]|[0-9.]{7,15}):(\d{1,5})")
 _TOKEN = re.compile(r"[0-9a-f]{%d}" % TOKEN_HEX_CHARS)
+_TAG = re.compile(r"[0-9a-f]{%d}" % TAG_HEX_CHARS)
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+MAX_HELLO_ID_CHARS = 512
+"""Longest request id a hello's lease proof may name (the whole hello must fit one heartbeat id)."""
 
 
 def check_endpoint(text: str) -> str | None:
@@ -102,22 +110,54 @@ def check_endpoint(text: str) -> str | None:
     return None
 
 
-def encode_hello_payload(endpoint: str, token: str) -> bytes:
-    """The hello's payload: ``<endpoint> <token>`` (ASCII)."""
-    return f"{endpoint} {token}".encode("ascii")
+@dataclass(frozen=True)
+class Hello:
+    """A decoded hello payload: the verdict inbox's ``endpoint`` and ``token`` and, from a version-4 D, the
+    lease proof: ``req_id`` (a P request id whose grant D holds) and ``tag``
+    (:func:`leasekit.lease.proof.hello_tag` over the endpoint and token). A version-2/3 hello has neither."""
+
+    endpoint: str
+    token: str
+    req_id: str | None = None
+    tag: str | None = None
 
 
-def decode_hello_payload(payload: bytes) -> tuple[str, str] | str:
-    """``(endpoint, token)`` from a hello's payload, or the reason it is refused (a ``str``). Never raises."""
+def encode_hello_payload(endpoint: str, token: str, req_id: str | None = None, tag: str | None = None) -> bytes:
+    """The hello's payload: ``<endpoint> <token>`` (versions 2 and 3), or with a lease proof
+    ``<endpoint> <token> <req_id> <tag>`` (version 4), UTF-8.
+
+    Raises:
+        ValueError: only one of ``req_id`` and ``tag`` given, or ``req_id`` holds a space.
+    """
+    if (req_id is None) != (tag is None):
+        raise ValueError("a hello's lease proof needs both req_id and tag")
+    if req_id is None:
+        return f"{endpoint} {token}".encode("ascii")
+    if not req_id or " " in req_id:
+        raise ValueError(f"request id {req_id[:64]!r} is empty or holds a space")
+    return f"{endpoint} {token} {req_id} {tag}".encode("utf-8")
+
+
+def decode_hello_payload(payload: bytes) -> Hello | str:
+    """The :class:`Hello` in a hello's payload, or the reason it is refused (a ``str``, which never quotes the
+    token or tag). Never raises."""
     try:
-        text = bytes(payload).decode("ascii")
+        text = bytes(payload).decode("utf-8")
     except (UnicodeDecodeError, TypeError):
-        return "hello payload is not ASCII"
-    endpoint, sep, token = text.partition(" ")
-    if not sep or not _TOKEN.fullmatch(token):
-        return f"hello payload {text[:64]!r} is not '<endpoint> <{TOKEN_HEX_CHARS} hex digits>'"
-    problem = check_endpoint(endpoint)
-    return problem if problem is not None else (endpoint, token)
+        return "hello payload is not UTF-8"
+    parts = text.split(" ")
+    if len(parts) not in (2, 4) or not _TOKEN.fullmatch(parts[1]):
+        return f"hello payload is not '<endpoint> <{TOKEN_HEX_CHARS} hex digits>[ <request id> <tag>]'"
+    problem = check_endpoint(parts[0])
+    if problem is not None:
+        return problem
+    if len(parts) == 2:
+        return Hello(parts[0], parts[1])
+    if not parts[2] or _CONTROL.search(parts[2]) or len(parts[2]) > MAX_HELLO_ID_CHARS:
+        return "hello's request id is empty, too long or holds a control character"
+    if not _TAG.fullmatch(parts[3]):
+        return f"hello's tag is not {TAG_HEX_CHARS} lowercase hex digits"
+    return Hello(parts[0], parts[1], parts[2], parts[3])
 
 
 def local_address_towards(host: str) -> str:

@@ -1,4 +1,4 @@
-"""A second NIXL peer against a real LeaseKitConnector P (issue 6 points 4, 6, 7): the payloads that
+"""A second NIXL peer against a real LeaseKitConnector P: the payloads that
 crash stock P, forged heartbeats and completions, the max-hold cap, and a notification fuzz over NIXL.
 P must keep serving throughout. The pair (L = 6 s, max hold 12 s) is the one shared with
 tests/integration/test_handshake_listener.py (:mod:`tests.shared_pair`), which may have run first (it
@@ -18,6 +18,9 @@ from hypothesis import strategies as st
 from leasekit.chaos.peer import NixlPeer
 from leasekit.chaos.workload import QueuedDecodeLoad
 from leasekit.lease.codec import DECODE_ERROR_REASONS, DecodeError, decode_notification
+from leasekit.lease.heartbeat_ids import decode_heartbeat_ids
+from leasekit.lease.peerref import peer_ref
+from leasekit.lease.proof import TOKEN_PARAM, heartbeat_tag, parse_secret
 from leasekit.telemetry import metrics as m
 from leasekit.telemetry.lease_timeline import read_leases
 from tests.scrape import labelled
@@ -98,18 +101,19 @@ def test_forged_completion_from_a_second_peer_does_not_free_a_live_lease(pair, p
     assert load.decodes[0].ok and len(load.decodes[0].token_ids) == load.decode_tokens
     timeline = lease(pair, rid)
     assert timeline.outcome == "released" and timeline.retrievals == 1
-    assert timeline.remote_agent != peer.name, "the forger must not own the lease"
+    assert timeline.remote_agent != peer_ref(peer.name), "the forger must not own the lease"
     assert timeline.end_s - timeline.grant_s > 3.0, "released by D's read, not by the forgery"
-    assert drops(pair)["foreign_completion"] - before["foreign_completion"] >= 1
+    assert drops(pair)["unproven_completion"] - before["unproven_completion"] >= 1  # D proved the lease first
 
 
 def test_forged_heartbeats_from_a_second_peer_do_not_keep_a_lease_alive(pair, peer):
     before = drops(pair)
-    rid = pair.router.prefill(pair.prompt(32)).request_id  # nobody decodes it: only peers touch it
-    with NixlPeer() as owner:
+    prefill = pair.router.prefill(pair.prompt(32))  # nobody decodes it: only peers touch it
+    rid, secret = prefill.request_id, parse_secret(prefill.kv_transfer_params.get(TOKEN_PARAM))
+    with NixlPeer() as owner:  # holds the grant's secret, as the router's D would
         agent = owner.handshake("127.0.0.1", pair.prefill.side_channel_port)
-        owner.send(agent, f"HB:{rid}".encode())  # binds the lease to `owner` (first contact wins:
-        time.sleep(1.0)  # a new agent's first notification waits for its UCX connection; let it land)
+        owner.send(agent, f"HB:{rid}~{heartbeat_tag(secret)}".encode())  # proves the lease
+        time.sleep(1.0)  # (a new agent's first notification waits for its UCX connection; let it land)
         until = time.monotonic() + E + 4
         while time.monotonic() < until:
             peer.send(peer.p_agent, f"HB:{rid}".encode())
@@ -117,9 +121,9 @@ def test_forged_heartbeats_from_a_second_peer_do_not_keep_a_lease_alive(pair, pe
     serves(pair)
     timeline = lease(pair, rid)
     assert timeline.outcome == "expired"
-    assert timeline.heartbeat_count == 1, "only the bound agent's heartbeat extends"
-    assert timeline.remote_agent == owner.name
-    assert drops(pair)["foreign_heartbeat"] - before["foreign_heartbeat"] >= 2
+    assert timeline.heartbeat_count == 1, "only the proven heartbeat extends"
+    assert timeline.remote_agent == peer_ref(owner.name)
+    assert drops(pair)["unproven_heartbeat"] - before["unproven_heartbeat"] >= 2
 
 
 def test_max_hold_caps_a_lease_kept_alive_by_heartbeats(pair, peer):
@@ -159,8 +163,15 @@ def test_fuzz_notifications_over_nixl(pair, peer, batch):
         _state["baseline"] = drops(pair)
     for message in batch:
         peer.send(peer.p_agent, message)
-        decoded = decode_notification(message)
         _sent["total"] += 1
+        if message.startswith(b"HB:"):  # P reads heartbeats id by id: junk ids are counted one by one
+            parsed = decode_heartbeat_ids(message)
+            if isinstance(parsed, DecodeError):
+                _sent[parsed.reason] += 1
+            elif parsed[1]:
+                _sent["bad_heartbeat_id"] += parsed[1]
+            continue
+        decoded = decode_notification(message)
         if isinstance(decoded, DecodeError):
             _sent[decoded.reason] += 1
 
@@ -171,7 +182,7 @@ def test_after_the_fuzz_p_serves_and_counted_every_malformed_message(pair):
     malformed = Counter({r: n for r, n in _sent.items() if r != "total"})
     baseline = _state["baseline"]
     got = wait_drops(pair, baseline + malformed, timeout_s=60)
-    for reason in DECODE_ERROR_REASONS:  # P decodes with the same codec: every one counted, none lost
+    for reason in DECODE_ERROR_REASONS + ("bad_heartbeat_id",):  # P decodes with the same codecs: none lost
         assert got[reason] - baseline[reason] == malformed[reason], (
             f"{reason}: P counted {got[reason] - baseline[reason]}, the fuzzer sent {malformed[reason]}")
     assert pair.prefill.alive()

@@ -64,6 +64,8 @@ def test_leasekit_prefill_with_stock_decode(pair):
         assert lease.remote_agent
     assert "Releasing expired KV blocks" not in pair.prefill.log_path.read_text()
     assert "speaks the fail-closed protocol" not in pair.prefill.log_path.read_text()  # stock D: no hello
+    bindings = labelled(pair.prefill.url, "leasekit_kv_lease_bindings_total", "proof")  # stock D: counted plain
+    assert bindings["plain"] >= len(load.request_ids) and bindings["proven"] == 0, bindings
 
 
 @pytest.mark.parametrize("pair", [("stock", "leasekit")], indirect=True)

@@ -133,9 +133,13 @@ def test_rule_problems_allow_recorded_names_only_from_the_file():
 
 def test_labels_must_be_carried_by_the_metrics_read():
     allowed = checks.allowed_names()
-    # P-side lease counters carry remote_agent (the D worker), D-side ones remote_engine_id (the P engine)
+    # P-side lease counters name no D worker (bounded labels: cause, peer_state), D-side ones carry
+    # remote_engine_id (the P engine)
     assert checks.expression_problems(
-        "sum by (job, instance, remote_agent, cause) (rate(leasekit_kv_lease_expiries_total[5m]))", "q", allowed) == []
+        "sum by (job, instance, peer_state, cause) (rate(leasekit_kv_lease_expiries_total[5m]))", "q", allowed) == []
+    assert checks.expression_problems(
+        "sum by (job, remote_agent) (rate(leasekit_kv_lease_extensions_total[5m]))", "q", allowed) == [
+        "q: label 'remote_agent' is on none of leasekit_kv_lease_extensions_total"]
     assert checks.expression_problems(
         'sum by (remote_engine_id) (rate(leasekit_kv_lease_heartbeats_sent_total{tp_rank="0"}[5m]))', "q", allowed) == []
     problems = checks.expression_problems(
@@ -156,7 +160,7 @@ def test_promtool_test_files_must_feed_exported_series(tmp_path):
     good = 'job="j",instance="i",model_name="m",engine="0",tp_rank="0"'
     bad.write_text(yaml.safe_dump({"tests": [{
         "input_series": [
-            {"series": f'leasekit_kv_lease_expiries{{{good},remote_agent="a",cause="no_heartbeat"}}', "values": "0"},
+            {"series": f'leasekit_kv_lease_expiries{{{good},peer_state="silent",cause="no_heartbeat"}}', "values": "0"},
             {"series": f'leasekit_kv_lease_late_completions_total{{{good},remote_engine_id="e"}}', "values": "0"},
             {"series": f'leasekit_kv_lease_pinned_blocks{{{good}}}', "values": "0"},
         ],
@@ -166,7 +170,7 @@ def test_promtool_test_files_must_feed_exported_series(tmp_path):
     assert len(problems) == 3
     assert "'leasekit_kv_lease_expiries' is not exported" in problems[0]  # counters are scraped as _total
     assert "labels ['engine', 'instance', 'job', 'model_name', 'remote_engine_id', 'tp_rank'] differ from the " \
-           "exported ['engine', 'fail_closed', 'instance', 'job', 'model_name', 'remote_agent', 'tp_rank']" in problems[1]
+           "exported ['engine', 'fail_closed', 'instance', 'job', 'model_name', 'tp_rank']" in problems[1]
     assert "'nope' is not exported" in problems[2]
 
 
@@ -235,18 +239,23 @@ def test_json_has_what_grafana_import_needs(board):
 
 def test_rows_and_coverage_of_the_catalog(board):
     rows = [p["title"] for p in board["panels"] if p["type"] == "row"]
-    assert rows == ["Leases now (P)", "Lease lifecycle (P)", "Heartbeats and bounds", "Per remote peer",
+    assert rows == ["Leases now (P)", "Lease lifecycle (P)", "Heartbeats and bounds", "Remote peers",
                     "Per TP rank", "vLLM NIXL transfers (vllm:nixl_*)"]
     read = set().union(*(metric_names(t["expr"]) for p in iter_panels(board) for t in p.get("targets", [])))
     for spec in m.LEASEKIT_METRICS:
         assert read & set(spec.sample_names), f"no panel reads {spec.name}"
     unread_nixl = {n for n in m.VLLM_NIXL_METRICS if not any(s.startswith(n) for s in read)}
     assert unread_nixl == {"vllm:nixl_num_descriptors"}
-    by_peer = {p["title"]: [t["expr"] for t in p["targets"]] for p in iter_panels(board) if "by D worker" in p["title"]
-               or "by P engine" in p["title"]}
-    assert len(by_peer) == 3
-    for title, exprs in by_peer.items():  # P side by D worker agent, D side by P engine id
-        assert all(("remote_agent" if "(P)" in title else "remote_engine_id") in e for e in exprs), title
+    exprs = [t["expr"] for p in iter_panels(board) for t in p.get("targets", [])]
+    assert not any("remote_agent" in e for e in exprs)  # P never names a D worker (bounded labels only)
+    by_peer = {p["title"]: [t["expr"] for t in p["targets"]] for p in iter_panels(board)
+               if "D state" in p["title"] or "by P engine" in p["title"]}
+    assert len(by_peer) == 2
+    for title, exprs in by_peer.items():  # P side by what P knew of the D at the reap, D side by P engine id
+        if "(P)" in title:
+            assert "peer_state" in exprs[0] and m.EXPIRED_PEER_RETURNS.sample_names[0] in exprs[1], title
+        else:
+            assert all("remote_engine_id" in e for e in exprs), title
 
 
 def _slugs(markdown):

@@ -171,7 +171,9 @@ def test_a_protected_read_is_preceded_by_the_hello_and_a_heartbeat_probe_for_its
     (agent, hello), probe = d.worker.nixl_wrapper.sent
     assert agent == "p0" and probe == ("p0", b"HB:P1")  # then the read
     _seq, payload, _ = split_protocol_ids(decode_notification(hello).req_ids)
-    endpoint, token = decode_hello_payload(payload)
+    hello = decode_hello_payload(payload)
+    endpoint, token = hello.endpoint, hello.token
+    assert hello.req_id is None and hello.tag is None  # a marking without a lease secret: the old hello
     assert endpoint in d.gate.inbox.endpoints and endpoint.startswith("tcp://127.0.0.1:") and token == d.gate.inbox.token
     assert d.gate.gate._owner == {("p0", "P1"): "d1"}  # P0's verdict (or the probe's ack) decides it
     read(d, request_id="d2", remote="P2")  # a stock P's request: no hello, no probe

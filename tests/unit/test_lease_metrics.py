@@ -84,9 +84,14 @@ def test_lease_events_reach_prometheus_with_units_and_labels():
     assert value(registry, "leasekit_kv_lease_extension_seconds", kv_role="kv_producer") == 4
     # rank 0 announced its config: every P-side series exists at zero before its first event
     # ("avoid missing metrics"); D-side series do not exist on a producer
-    zero = {"model_name": "tiny", "engine": "0", "tp_rank": "0", "remote_agent": m.UNKNOWN_REMOTE}
+    zero = {"model_name": "tiny", "engine": "0", "tp_rank": "0"}
     assert registry.get_sample_value("leasekit_kv_lease_late_completions_total", {**zero, "fail_closed": "false"}) == 0.0
-    assert registry.get_sample_value("leasekit_kv_lease_expiries_total", {**zero, "cause": "no_heartbeat"}) == 0.0
+    for state in m.PEER_STATES:
+        for cause in m.EXPIRY_CAUSES:
+            assert registry.get_sample_value("leasekit_kv_lease_expiries_total",
+                                             {**zero, "cause": cause, "peer_state": state}) == 0.0
+    assert registry.get_sample_value("leasekit_kv_lease_expired_peer_returns_total", zero) == 0.0
+    assert registry.get_sample_value("leasekit_kv_lease_extensions_total", zero) == 0.0
     assert registry.get_sample_value(
         "leasekit_kv_lease_heartbeats_sent_total",
         {"model_name": "tiny", "engine": "0", "tp_rank": "0", "remote_engine_id": m.UNKNOWN_REMOTE}) is None
@@ -104,22 +109,20 @@ def test_lease_events_reach_prometheus_with_units_and_labels():
     o1.state(r1.expiring_within(1.0, now=107.0))
     prom.observe(_shipped(s0, s1).data, 0)
 
-    assert value(registry, "leasekit_kv_lease_extensions_total", tp_rank="0", remote_agent="agent-d") == 2
+    assert value(registry, "leasekit_kv_lease_extensions_total", tp_rank="0") == 2
     assert value(registry, "leasekit_kv_lease_heartbeat_gap_seconds_count", tp_rank="0") == 2
     assert value(registry, "leasekit_kv_lease_heartbeat_gap_seconds_sum", tp_rank="0") == pytest.approx(2.5)
     assert value(registry, "leasekit_kv_lease_releases_total", tp_rank="0") == 1
-    assert value(registry, "leasekit_kv_lease_expiries_total", tp_rank="0", remote_agent="agent-d",
-                 cause="heartbeat_lapsed") == 1
-    assert value(registry, "leasekit_kv_lease_expiries_total", tp_rank="1", remote_agent=m.UNKNOWN_REMOTE,
-                 cause="no_heartbeat") == 1
+    # rank 0's D agent last heartbeated 4.1 s (> 2 H) before the reap: silent; rank 1 never heard of a D
+    assert value(registry, "leasekit_kv_lease_expiries_total", tp_rank="0", cause="heartbeat_lapsed",
+                 peer_state="silent") == 1
+    assert value(registry, "leasekit_kv_lease_expiries_total", tp_rank="1", cause="no_heartbeat",
+                 peer_state="unknown") == 1
     assert value(registry, "leasekit_kv_lease_reclaim_lag_seconds_sum", tp_rank="0") == pytest.approx(0.1)
     assert value(registry, "leasekit_kv_lease_reclaim_lag_seconds_sum", tp_rank="1") == pytest.approx(0.2)
-    assert value(registry, "leasekit_kv_lease_late_completions_total", tp_rank="1", remote_agent="agent-d",
-                 fail_closed="false") == 1
-    assert value(registry, "leasekit_kv_lease_late_completions_total", tp_rank="0", remote_agent="agent-d",
-                 fail_closed="true") == 1
-    assert value(registry, "leasekit_kv_lease_late_completions_total", tp_rank="0", remote_agent="agent-d",
-                 fail_closed="false") == 0
+    assert value(registry, "leasekit_kv_lease_late_completions_total", tp_rank="1", fail_closed="false") == 1
+    assert value(registry, "leasekit_kv_lease_late_completions_total", tp_rank="0", fail_closed="true") == 1
+    assert value(registry, "leasekit_kv_lease_late_completions_total", tp_rank="0", fail_closed="false") == 0
     assert value(registry, "leasekit_kv_lease_aborts_total", tp_rank="1") == 1
     assert value(registry, "leasekit_kv_lease_hold_seconds_count", tp_rank="0", outcome="expired") == 1
     assert value(registry, "leasekit_kv_lease_hold_seconds_sum", tp_rank="0", outcome="released") == pytest.approx(3.0)

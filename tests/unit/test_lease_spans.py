@@ -6,6 +6,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from leasekit.lease import LeaseTiming
+from leasekit.lease.peerref import peer_ref
 from leasekit.telemetry import semconv as sc
 from leasekit.telemetry.lease_spans import LeaseSpanRecorder
 from leasekit.telemetry.lease_timeline import lease_timelines
@@ -34,7 +35,9 @@ def test_k01_lease_span_has_grant_extends_and_expired_end():
     assert span.name == sc.LEASE_SPAN_NAME
     assert a[sc.REQUEST_ID] == "R" and a[sc.TP_RANK] == 3 and a[sc.KV_BLOCKS] == 8
     assert a[sc.OUTCOME] == sc.OUTCOME_EXPIRED and a[sc.EXTEND_COUNT] == 3
-    assert a[sc.REMOTE_AGENT] == "D-agent"
+    assert a[sc.REMOTE_AGENT] == peer_ref("D-agent")  # a reference, never the agent name
+    assert "D-agent" not in repr(dict(a)) and "D-agent" not in repr([dict(e.attributes) for e in span.events])
+    assert a[sc.EXPIRY_PEER_STATE] == "silent"  # last heard 20.05 s (> 2 H = 10 s) before the reap
     assert a[sc.GRANT_MONOTONIC_S] == 100.0 and a[sc.LAST_EXTEND_MONOTONIC_S] == 111.0
     assert a[sc.DEADLINE_MONOTONIC_S] == 131.0
     assert a[sc.RECLAIM_LAG_S] == pytest.approx(0.05)

@@ -81,8 +81,12 @@ def test_payloads_that_crash_stock_p_are_dropped_and_the_batch_goes_on(payload, 
 def test_oversized_notification_is_dropped_before_decoding():
     w = Worker(max_bytes=1024)
     w.grant("r", 0.0)
-    w.step({"d0": [b"HB:" + b"r," * 1000 + b"r"]})
+    w.step({"d0": [b"r" * 2000 + b":1"]})  # a completion over leasekit_max_notification_bytes
     assert w.drops() == {"oversized": 1}
+    ceiling = w.intake.heartbeat_max_bytes()  # a heartbeat: sized to the ids a real D can name
+    assert ceiling >= 1 << 20
+    w.step({"d0": [b"HB:" + b"r," * (ceiling // 2) + b"r"]})
+    assert w.drops() == {"oversized": 2}
 
 
 def test_heartbeat_binds_and_foreign_heartbeats_do_not_extend():

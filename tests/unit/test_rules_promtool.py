@@ -81,11 +81,9 @@ def _replace(rule_name, old, new):
 MUTATIONS = {
     "LeaseExpiries": _replace(rules.EXPIRIES_BY_CAUSE, " unless leasekit_kv_lease_expiries_total offset 5m", ""),
     # each guard the alert has, removed: a silent case of its tests must then fail
-    "LeaseExpiriesWhileDecodeHealthy": _replace(
-        "LeaseExpiriesWhileDecodeHealthy", f"\nand on (job, instance, remote_agent)\n{rules.EXTENSIONS_BY_REMOTE} > 0",
-        ""),
+    "LeaseExpiriesWhileDecodeHealthy": _replace("LeaseExpiriesWhileDecodeHealthy", '{peer_state="heartbeating"}', ""),
     "LeaseLateCompletions": _replace(
-        rules.LATE_BY_REMOTE, ' unless leasekit_kv_lease_late_completions_total{fail_closed!="true"} offset 5m', ""),
+        rules.LATE_UNSAFE, ' unless leasekit_kv_lease_late_completions_total{fail_closed!="true"} offset 5m', ""),
     "LeaseReclaimLagOverBound": _replace("LeaseReclaimLagOverBound", f"clamp_min({rules.H_MAX}, 0.5)", rules.H_MAX),
     "LeasePinnedBlocksHigh": _replace(rules.PINNED, "max by (job, instance, engine)", "sum by (job, instance, engine)"),
     "LeaseHeartbeatGapNearExtension": _replace("LeaseHeartbeatGapNearExtension", "0.8 *", "0.2 *"),
@@ -121,9 +119,40 @@ def test_tests_catch_an_alert_without_its_guard(promtool, tmp_path, name):
 def test_tests_catch_late_completions_paging_for_reads_a_fail_closed_d_discarded(promtool, tmp_path):
     """Without the ``fail_closed!="true"`` filter, LeaseLateCompletions would page for late reads a
     fail-closed D discarded; a silent case of its tests must then fail."""
-    result = _run_mutated(promtool, tmp_path, _replace(rules.LATE_BY_REMOTE, '{fail_closed!="true"}', ""), "LeaseLateCompletions")
+    result = _run_mutated(promtool, tmp_path, _replace(rules.LATE_UNSAFE, '{fail_closed!="true"}', ""), "LeaseLateCompletions")
     assert result.returncode != 0
     assert "alertname: LeaseLateCompletions" in result.stdout + result.stderr
+
+
+HEALTHY_D_GUARDS = {
+    # the D was alive only if its agent still heartbeated: without the filter a dead D's silent expiries fire
+    "peer_state": ('{peer_state="heartbeating"}', ""),
+    # a stalled D that came back: without this operand the stall case stays silent
+    "returns": (f"or\n{rules.PEER_RETURNS} > 0\n", ""),
+    # TP skew: the expiring rank got no extension...
+    "rank_without_extensions": (f"\n  and on (job, instance, engine, tp_rank) ({rules.EXTENSIONS_BY_RANK} == 0)", ""),
+    # ...while another rank of its engine did
+    "engine_with_extensions": (
+        f"\n  and on (job, instance, engine) (sum by (job, instance, engine) ({rules.EXTENSIONS_BY_RANK}) > 0)", ""),
+}
+
+
+@pytest.mark.parametrize("guard", sorted(HEALTHY_D_GUARDS))
+def test_tests_catch_each_way_expiries_while_decode_healthy_tells_a_live_d(promtool, tmp_path, guard):
+    """LeaseExpiriesWhileDecodeHealthy joins on bounded labels only; each of its conditions (D state at
+    the reap, returns of a silent D, the per-rank skew and its engine) is pinned by a case of its tests."""
+    old, new = HEALTHY_D_GUARDS[guard]
+    result = _run_mutated(promtool, tmp_path, _replace("LeaseExpiriesWhileDecodeHealthy", old, new),
+                          "LeaseExpiriesWhileDecodeHealthy")
+    assert result.returncode != 0
+    assert "alertname: LeaseExpiriesWhileDecodeHealthy" in result.stdout + result.stderr
+
+
+def test_no_rule_groups_or_joins_by_a_peer_name():
+    """Rules aggregate and join only on bounded labels: no agent name (or request id) to group by exists."""
+    text = RULES_YML.read_text()
+    for label in ("remote_agent", "request_id", "req_id", "agent"):
+        assert f"{label}," not in text and f"{label})" not in text and f"$labels.{label}" not in text, label
 
 
 GRAFANA_VALUES = {"job": ".*", "instance": ".*", "__rate_interval": "1m", "__interval": "1m", "datasource": "x"}
@@ -145,7 +174,8 @@ def test_every_dashboard_query_parses(promtool, tmp_path):
     assert f"SUCCESS: {len(exprs)} rules found" in result.stdout
 
 
-LABEL_VALUES = {"tp_rank": "0", "remote_agent": "d-agent-0", "remote_engine_id": "p-engine-0", "cause": "heartbeat_lapsed", "outcome": "expired"}
+LABEL_VALUES = {"tp_rank": "0", "remote_engine_id": "p-engine-0", "cause": "heartbeat_lapsed",
+                "peer_state": "heartbeating", "outcome": "expired"}
 
 
 def _synthetic_series():

@@ -8,6 +8,7 @@ import os
 import pytest
 
 from leasekit.lease import LeaseTiming
+from leasekit.lease.peerref import peer_ref
 from leasekit.runbook import explain
 from leasekit.telemetry import semconv as sc
 from leasekit.telemetry.decode_spans import HeartbeatSpanRecorder
@@ -83,7 +84,7 @@ def test_released_lease_on_two_ranks_with_the_decode_side_span(tmp_path, capsys)
     assert lease["events"][1]["deadline_remaining_s"] == 5.0
     assert lease["events"][0]["wall_time"].endswith("Z")
     assert lease["extend_count"] == 1 and lease["extend_events_kept"] == 1 and lease["retrievals"] == 1
-    assert lease["kv_blocks"] == 8 and lease["remote_agent"] == "D-agent" and lease["kv_role"] == "kv_producer"
+    assert lease["kv_blocks"] == 8 and lease["remote_agent"] == peer_ref("D-agent") and lease["kv_role"] == "kv_producer"
     assert lease["end_s"] == 1.5 and lease["deadline_s"] == 6.0
     assert lease["bound"]["verdict"] == "NOT_APPLICABLE"
     assert report["late_reads"] == []
@@ -121,13 +122,16 @@ def test_expired_lease_bound_and_late_read_in_nested_chaos_dirs(tmp_path, capsys
     (late,) = report["late_reads"]
     assert late["ended_outcome"] == "expired" and late["late_by_s"] == pytest.approx(0.4)
     assert late["t_after_grant_s"] == pytest.approx(7.0) and late["end_after_grant_s"] == pytest.approx(6.6)
-    assert late["remote_agent"] == "D-agent"
+    assert late["remote_agent"] == peer_ref("D-agent")
+    assert lease["expiry_peer_state"] == "silent"  # last heard 4.1 s (> 2 H) before the reap
     # the table
     assert run_cli(["explain", "req-expired-9", "--run-dir", str(run)]) == 0
     out = capsys.readouterr().out
     assert "bound check: WITHIN_BOUND: reclaimed 0.100 s after its deadline max(grant + L = 6.000, " \
            "last_extend + E = 6.500) = 6.500 s" in out
     assert "LATE READ kv_lease_late_read engine=P0 tp_rank=0 kv_role=kv_producer" in out
+    assert f"remote peer {peer_ref('D-agent')}" in out and "D-agent" not in out
+    assert "D at expiry" in out and "silent" in out
     assert "+7.000 s after the grant" in out and "extend_count / events kept" in out
 
 

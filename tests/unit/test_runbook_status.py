@@ -83,7 +83,7 @@ def healthy_p(make):
     p.config("kv_producer", 6, 1, 4)
     p.get(m.GRANTS, tp_rank="0").inc(5)
     p.get(m.RELEASES, tp_rank="0").inc(5)
-    p.get(m.EXTENSIONS, tp_rank="0", remote="D1").inc(7)
+    p.get(m.EXTENSIONS, tp_rank="0").inc(7)
     p.get(m.LEASES_ACTIVE, tp_rank="0").set(0)
     return p
 
@@ -118,8 +118,9 @@ def test_ok_server_reports_config_totals_and_exit_0(servers, capsys):
 
 def test_expiries_expiring_soon_and_heartbeat_failures_are_degraded(servers, capsys):
     p = healthy_p(servers)
-    p.get(m.EXPIRIES, tp_rank="0", remote="D1", cause="no_heartbeat").inc()
-    p.get(m.EXPIRIES, tp_rank="0", remote="D2", cause="heartbeat_lapsed").inc(2)
+    p.get(m.EXPIRIES, tp_rank="0", cause="no_heartbeat", peer_state="unknown").inc()
+    p.get(m.EXPIRIES, tp_rank="0", cause="heartbeat_lapsed", peer_state="silent").inc(2)
+    p.get(m.EXPIRED_PEER_RETURNS, tp_rank="0").inc(2)
     p.get(m.EXPIRING_SOON, tp_rank="0").set(1)
     d = servers()
     d.config("kv_consumer", 6, 1, 4)
@@ -131,8 +132,11 @@ def test_expiries_expiring_soon_and_heartbeat_failures_are_degraded(servers, cap
     assert report["verdict"] == "DEGRADED"
     assert ps["verdict"] == "DEGRADED" and ps["counters"]["expiries"] == 3
     assert ps["breakdown"]["expiries_by_cause"] == {"heartbeat_lapsed": 2, "no_heartbeat": 1}
-    assert ps["breakdown"][f"expiries_by_{remote_label(m.EXPIRIES)}"] == {"D1": 1, "D2": 2}
-    assert any("3 lease expiries" in r for r in ps["reasons"])
+    assert ps["breakdown"]["expiries_by_peer_state"] == {"silent": 2, "unknown": 1}
+    assert ps["counters"]["expired_peer_returns"] == 2
+    assert any("3 lease expiries since start (by cause: heartbeat_lapsed=2, no_heartbeat=1; by D state at the "
+               "reap: silent=2, unknown=1; 2 of a silent D that came back: stalled, not dead)" in r
+               for r in ps["reasons"])
     assert any("1 lease(s) expiring soon" in r for r in ps["reasons"])
     assert ds["verdict"] == "DEGRADED" and ds["config"]["kv_roles"] == ["kv_consumer"]
     assert ds["counters"]["heartbeats_sent"] == 40 and ds["counters"]["heartbeat_send_failures"] == 3
@@ -141,13 +145,13 @@ def test_expiries_expiring_soon_and_heartbeat_failures_are_degraded(servers, cap
 
 def test_late_completion_is_critical_in_table_and_json(servers, capsys):
     p = healthy_p(servers)
-    p.get(m.LATE_COMPLETIONS, tp_rank="0", remote="D1", fail_closed="false").inc()
-    p.get(m.EXPIRIES, tp_rank="0", remote="D1", cause="heartbeat_lapsed").inc()
+    p.get(m.LATE_COMPLETIONS, tp_rank="0", fail_closed="false").inc()
+    p.get(m.EXPIRIES, tp_rank="0", cause="heartbeat_lapsed", peer_state="silent").inc()
     assert run_cli(["status", p.url]) == 1
     out = capsys.readouterr().out
     assert "CRITICAL because:" in out
     assert (f"  - 1 late completion(s) since start from D agents that do not fail closed (all late completions by "
-            f"{remote_label(m.LATE_COMPLETIONS)}: D1=1)") in out
+            f"tp_rank: 0=1)") in out
     assert "overall: CRITICAL" in out and "late completions" in out
     report = status.collect_status([p.url])
     assert report["servers"][0]["verdict"] == "CRITICAL"
@@ -157,7 +161,7 @@ def test_late_completion_is_critical_in_table_and_json(servers, capsys):
 
 def test_late_completions_a_fail_closed_d_discarded_are_degraded_not_critical(servers, capsys):
     p = healthy_p(servers)
-    p.get(m.LATE_COMPLETIONS, tp_rank="0", remote="D1", fail_closed="true").inc(2)
+    p.get(m.LATE_COMPLETIONS, tp_rank="0", fail_closed="true").inc(2)
     p.metrics["vllm:nixl_num_notifications_after_expiry"].labels(**ENGINE).inc(2)  # vLLM counts them too
     (s,) = status.collect_status([p.url])["servers"]
     assert s["verdict"] == "DEGRADED", s["reasons"]
@@ -179,7 +183,7 @@ def test_unreachable_server_is_named_and_others_still_reported(servers, capsys):
     assert bad["error"].startswith(f"could not scrape {dead}/metrics: ConnectError")
     assert report["verdict"] == "UNKNOWN"
     # a known problem elsewhere outranks the unknown
-    p.get(m.LATE_COMPLETIONS, tp_rank="0", remote="D1", fail_closed="false").inc()
+    p.get(m.LATE_COMPLETIONS, tp_rank="0", fail_closed="false").inc()
     assert run_cli(["status", dead, p.url, "--timeout", "2"]) == 1
     out = capsys.readouterr().out
     assert f"{dead}/metrics: UNREACHABLE: could not scrape" in out
@@ -235,8 +239,8 @@ def test_rank_max_per_engine_summed_with_per_rank_rows(servers, capsys):
 
 def test_interval_reports_increases_and_the_verdict_uses_them(servers, capsys):
     p = healthy_p(servers)
-    p.get(m.EXPIRIES, tp_rank="0", remote="D1", cause="no_heartbeat").inc(4)  # an old incident
-    p.get(m.LATE_COMPLETIONS, tp_rank="0", remote="D1", fail_closed="false").inc()
+    p.get(m.EXPIRIES, tp_rank="0", cause="no_heartbeat", peer_state="unknown").inc(4)  # an old incident
+    p.get(m.LATE_COMPLETIONS, tp_rank="0", fail_closed="false").inc()
     assert status.collect_status([p.url])["servers"][0]["verdict"] == "CRITICAL"
 
     def traffic(seconds):  # what the server does between the scrapes
@@ -252,11 +256,11 @@ def test_interval_reports_increases_and_the_verdict_uses_them(servers, capsys):
     assert s["counter_resets"] == 0
 
     def expiring(seconds):
-        p.get(m.EXPIRIES, tp_rank="0", remote="D9", cause="heartbeat_lapsed").inc()  # a new series
+        p.get(m.EXPIRIES, tp_rank="0", cause="heartbeat_lapsed", peer_state="silent").inc()  # a new series
 
     (s,) = status.collect_status([p.url], interval_s=10, sleep=expiring)["servers"]
     assert s["verdict"] == "DEGRADED" and s["counters"]["expiries"] == 1
-    assert s["breakdown"][f"expiries_by_{remote_label(m.EXPIRIES)}"] == {"D1": 0, "D9": 1}
+    assert s["breakdown"]["expiries_by_peer_state"] == {"silent": 1, "unknown": 0}
     assert "in the last" in s["reasons"][0]
     # the real CLI path: two scrapes 0.2 s apart
     assert run_cli(["status", p.url, "--interval", "0.2", "-o", "json"]) == 0

@@ -12,6 +12,8 @@ import time
 
 import pytest
 
+from leasekit.lease.proof import split_tagged
+
 from benchmarks.pstep import build as B
 from benchmarks.pstep import drive as D
 from benchmarks.pstep import measure as M
@@ -79,12 +81,15 @@ def test_heartbeat_extends_and_completion_releases_one_lease(p_sides):
         side.grant(ids, batch=N, age_s=side.age_s)
         before = dict(side.live)
         time.sleep(0.01)  # the heartbeat's now + E is later than every deadline
-        side.deliver([D.heartbeat(ids[1:17]), D.completion(ids[0])])
+        side.deliver([side.heartbeat(ids[1:17]), side.completion(ids[0])])  # what the matching D sends
         results = D.engine_step(side.connector, side.metadata())
         assert set(results.finished_sending) == {ids[0]}, side.label
         assert ids[0] not in side.live and len(side.live) == N - 1, side.label
         assert all(side.live[i] > before[i] for i in ids[1:17]), side.label
         assert all(side.live[i] == before[i] for i in ids[17:]), side.label
+        if side.leasekit:  # the production path of a LeaseKit D: tagged ids, leases bound by proof
+            assert split_tagged(side.heartbeat(ids[1:2])[3:].decode()) is not None
+            assert all(side.worker._lk_p.keeping.binding.proven(i) for i in ids[1:17]), side.label
 
 
 def test_timed_steps_expire_nothing_and_keep_n_live(p_sides):
@@ -119,7 +124,8 @@ def test_d_heartbeat_step_names_every_tracked_request(d_sides):
         assert samples.unexpected == 0 and len(samples.heartbeat) == 2, side.label
         beats = [msg for agent, msg in side.wrapper.sent if agent == B.P_AGENT and msg.startswith(b"HB:")]
         assert beats, side.label
-        assert wanted <= set(beats[-1][3:].decode().split(",")), side.label
+        named = {split_tagged(i)[0] if split_tagged(i) else i for i in beats[-1][3:].decode().split(",")}
+        assert wanted <= named, side.label  # a LeaseKit D names each with its tag: <id>~<tag>
 
 
 def test_memory_per_lease_counts_live_leases(v, model_dir, tmp_path):

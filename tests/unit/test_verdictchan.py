@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 import leasekit.vllm.verdictchan as vc
 from leasekit.vllm.verdictchan import (
+    Hello,
     VerdictInbox,
     VerdictOutbox,
     check_endpoint,
@@ -109,10 +110,17 @@ def test_messages_with_another_inbox_token_are_dropped():
 
 
 def test_hello_payload_round_trips_and_refuses_what_is_not_endpoint_and_token():
-    assert decode_hello_payload(encode_hello_payload("tcp://10.0.0.7:41234", "0123456789abcdef")) == (
+    assert decode_hello_payload(encode_hello_payload("tcp://10.0.0.7:41234", "0123456789abcdef")) == Hello(
         "tcp://10.0.0.7:41234", "0123456789abcdef")
+    proved = encode_hello_payload("tcp://10.0.0.7:41234", "0123456789abcdef", "cmpl-é1", "fedcba9876543210")
+    assert decode_hello_payload(proved) == Hello("tcp://10.0.0.7:41234", "0123456789abcdef", "cmpl-é1",
+                                                 "fedcba9876543210")
+    with pytest.raises(ValueError):
+        encode_hello_payload("tcp://10.0.0.7:41234", "0123456789abcdef", "r")  # a request id without its tag
     for bad in (b"tcp://10.0.0.7:41234", b"tcp://10.0.0.7:41234 0123", b"tcp://10.0.0.7:41234 0123456789ABCDEF",
-                b"tcp://h.example:1 0123456789abcdef", b"\xff", b""):
+                b"tcp://h.example:1 0123456789abcdef", b"\xff", b"",
+                b"tcp://10.0.0.7:41234 0123456789abcdef r", b"tcp://10.0.0.7:41234 0123456789abcdef r FEDCBA9876543210",
+                b"tcp://10.0.0.7:41234 0123456789abcdef r\x01 fedcba9876543210"):
         assert isinstance(decode_hello_payload(bad), str)
     with pytest.raises(ValueError, match="token"):
         VerdictOutbox("p").connect("d", "tcp://127.0.0.1:1", "nope")

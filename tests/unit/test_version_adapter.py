@@ -16,6 +16,7 @@ import pytest
 
 from leasekit.lease import codec
 from leasekit.lease.pledge import PLEDGE_PARAM
+from leasekit.lease.proof import TOKEN_PARAM
 from leasekit.vllm import taps
 from leasekit.vllm.needs import LEASEKIT_PREFIXES, RELEASE_NEEDS, ClassNeeds
 from leasekit.vllm.prefill.listener import GET_META_MSG
@@ -261,7 +262,7 @@ def test_leasekit_keys_are_recorded_and_prefixed():
     names = [t.id for n in ast.parse(text).body if isinstance(n, ast.Assign) for t in n.targets
              if isinstance(t, ast.Name) and t.id.startswith("METADATA_") and t.id.endswith("_ATTR")]
     assert len(names) >= 9
-    ours = {module_constant(text, n) for n in names} | {codec.PROTOCOL_PARAM, PLEDGE_PARAM}
+    ours = {module_constant(text, n) for n in names} | {codec.PROTOCOL_PARAM, PLEDGE_PARAM, TOKEN_PARAM}
     for needs in RELEASE_NEEDS.values():
         assert set(needs.leasekit_keys) == ours
         assert all(k.startswith(LEASEKIT_PREFIXES) for k in needs.leasekit_keys)

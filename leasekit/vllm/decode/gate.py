@@ -22,6 +22,12 @@ A read of P's KV blocks becomes tokens only after P confirmed that the lease cov
 - ``_send_heartbeats`` (``base_worker.py``) -> :meth:`DReadGate.hello_engines`, and each heartbeat's bytes
   through :meth:`DReadGate.sequence_heartbeat` (the NIXL wrapper's tap).
 
+Lease proofs (protocol version 4, :mod:`leasekit.lease.proof`, docs/security.md): for a request whose grant
+carried a lease secret ``T``, its heartbeat ids become ``<id>~<heartbeat tag>``, its read completions
+``<id>~<completion tag>:<n>`` (:meth:`DReadGate.proved_read`) and D's hello to its P engine carries a hello tag;
+requests of a stock or pre-4 P stay plain. Logs and spans name a P agent by its
+:func:`~leasekit.lease.peerref.peer_ref`, never by its name.
+
 Every decision is a ``kv_lease_read`` span, a ``leasekit_kv_lease_reads_total{outcome}`` increment
 (with the wait in ``leasekit_kv_lease_read_verdict_wait_seconds``) and, for discarded reads, a
 rate-limited WARNING. A failure of this code never raises into the engine loop: a read it could not
@@ -41,7 +47,9 @@ from leasekit.lease.codec import (
     encode_hello,
     sequence_token,
 )
+from leasekit.lease.peerref import peer_ref
 from leasekit.lease.pledge import parse_pledge
+from leasekit.lease.proof import TAG_SEPARATOR, completion_tag, hello_tag, parse_secret
 from leasekit.lease.readgate import (
     OUTCOME_ABANDONED,
     OUTCOME_TIMEOUT,
@@ -54,13 +62,18 @@ from leasekit.lease.readgate import (
 )
 from leasekit.telemetry import semconv as sc
 from leasekit.telemetry.lease_log import RateLimitedWarning, lease_logger
+from leasekit.vllm.decode.heartbeats import DLeaseSecrets
 from leasekit.vllm.decode.vllmstate import VllmDState
 from leasekit.vllm.kvdigest import KV_DIGEST_ATTR
-from leasekit.vllm.taps import HEARTBEAT_PREFIX
+from leasekit.vllm.taps import HEARTBEAT_PREFIX, MAX_HEARTBEAT_CHUNK_BYTES, WireHeartbeat
 from leasekit.vllm.verdictchan import MAX_MESSAGE_BYTES, VerdictInbox, encode_hello_payload
 
 MAX_ENGINE_HOSTS = 4096
 """P engines whose side-channel host D remembers (the oldest are forgotten first)."""
+SEQUENCE_ROOM_BYTES = 32
+"""Bytes a heartbeat part keeps free for its ``,LK1~<n>`` sequence token (``n``: at most 20 digits)."""
+PROOF_VERSION = 4
+"""Lowest ``leasekit_protocol`` marker whose grant's lease secret D proves (older P: plain ids)."""
 
 DropFn = Callable[[str, str, str], None]
 """``drop(reason, agent, detail)``: count (and log) one dropped message; ``reason`` is a label of
@@ -109,7 +122,9 @@ class DReadGate:
         """This worker's verdict inbox (:class:`leasekit.vllm.verdictchan.VerdictInbox`)."""
         self.hello_sent: set[str] = set()
         """Names of the P agents that heard our hello (and so ack our sequenced heartbeats)."""
-        self._hello_msgs: dict[str, tuple[str, bytes]] = {}  # P host -> (inbox endpoint routed to it, hello)
+        self._hello_msgs: dict[tuple, tuple[str, bytes]] = {}  # (P host, proof or None) -> (inbox endpoint, hello)
+        self.secrets = DLeaseSecrets(max_engines=MAX_ENGINE_HOSTS)
+        """Lease secrets of the live protected requests (:class:`leasekit.vllm.decode.heartbeats.DLeaseSecrets`)."""
         self._engine_hosts: dict[str, str] = {}  # P engine id -> its side-channel host
         self._read_digests: dict[str, str] = {}  # only with fault points (kvdigest.py)
         self._protocol_engines: dict[str, None] = {}  # P engine ids that speak the protocol (most recent last)
@@ -119,12 +134,19 @@ class DReadGate:
         self.inbox.close()
 
     def protect(self, marked: Any) -> None:
-        """Requests P marked with ``leasekit_protocol``: ``[D request id, P engine id, P host, pledge]`` from
-        the scheduler's metadata (pledge: ``[until_us, clock id]`` or None, leasekit/lease/pledge.py). That P engine speaks the protocol:
-        D may say hello to it, naming the inbox endpoint its kernel routes to that host from. None: nothing."""
+        """Requests P marked with ``leasekit_protocol``: ``[D request id, P engine id, P host, pledge, P request
+        id, lease secret, marker]`` from the scheduler's metadata (an older scheduler sends the first 2 to 4;
+        pledge: ``[until_us, clock id]`` or None, leasekit/lease/pledge.py; secret: 32 hex digits or None,
+        :func:`leasekit.lease.proof.parse_secret`; marker: P's ``leasekit_protocol`` int). That P engine speaks
+        the protocol: D may say hello to it, naming the inbox endpoint its kernel routes to that host from. A
+        valid secret with marker >= :data:`PROOF_VERSION` is kept (:attr:`secrets`) until :meth:`finish`.
+        None: nothing."""
         for request_id, engine_id, *rest in marked or ():
             host = rest[:1]
             self.gate.protect(request_id, parse_pledge(rest[1]) if len(rest) > 1 else None)
+            if len(rest) >= 5 and isinstance(rest[4], int) and rest[4] >= PROOF_VERSION and isinstance(rest[2], str) \
+                    and rest[2] and (secret := parse_secret(rest[3])) is not None:
+                self.secrets.add(request_id, str(engine_id or ""), rest[2], secret)
             if engine_id:
                 engines = self._protocol_engines  # bounded: engine ids come from request parameters
                 engines.pop(str(engine_id), None)
@@ -142,6 +164,7 @@ class DReadGate:
         failed): their gate state ends (an undecided read of theirs will never be served)."""
         for request_id in request_ids or ():
             self.gate.finish(request_id)
+            self.secrets.finish(request_id)
             self._read_digests.pop(request_id, None)
 
     def receive_verdicts(self) -> None:
@@ -175,16 +198,27 @@ class DReadGate:
             except Exception as exc:  # acks are an optimisation: without them D waits for verdicts
                 self._errors.report("hello", exc)
 
-    def sequence_heartbeat(self, agent: Any, msg: bytes, started_s: float) -> bytes:
-        """The heartbeat to send to ``agent`` (begun at ``started_s``, ``perf_counter`` seconds): with
-        ``,LK1~<n>`` appended when the agent heard our hello, so that P's ack names this send. The
-        NIXL wrapper tap's ``rewrite``. Never raises (the stock bytes on failure)."""
+    def sequence_heartbeat(self, agent: Any, msg: bytes, started_s: float) -> bytes | list[WireHeartbeat]:
+        """What goes on the wire to ``agent`` for heartbeat ``msg`` (begun at ``started_s``, ``perf_counter``
+        seconds); the NIXL wrapper tap's ``rewrite``. Each id whose lease has a secret becomes
+        ``<id>~<heartbeat tag>`` (others stay plain); a heartbeat over :data:`MAX_HEARTBEAT_CHUNK_BYTES` is
+        split into complete heartbeats within it; when the agent heard our hello, each notification gets
+        ``,LK1~<n>``, its own ``n`` (:meth:`ReadGate.heartbeat_sent`, all dated ``started_s``, no later than any
+        part's send, so an ack's horizon stays conservative), so that P's ack names that send. Returns bytes
+        for one notification (``msg`` itself when unchanged), else a list of
+        :class:`~leasekit.vllm.taps.WireHeartbeat`. Never raises (the stock bytes on failure)."""
         try:
             name = agent_name(agent)
-            if name not in self.hello_sent:
-                return msg
-            seq = self.gate.heartbeat_sent(name, started_s)
-            return bytes(msg) + b"," + sequence_token(seq).encode()
+            sequenced = name in self.hello_sent
+            parts = self.secrets.wire_heartbeats(msg, MAX_HEARTBEAT_CHUNK_BYTES - SEQUENCE_ROOM_BYTES * sequenced)
+            if parts is None:
+                if not sequenced:
+                    return msg
+                parts = [WireHeartbeat(bytes(msg), bytes(msg))]
+            if sequenced:
+                tokens = [sequence_token(self.gate.heartbeat_sent(name, started_s)).encode() for _ in parts]
+                parts = [WireHeartbeat(p.wire + b"," + t, p.original) for p, t in zip(parts, tokens)]
+            return parts[0].wire if len(parts) == 1 else parts
         except Exception as exc:  # acks are an optimisation: send the stock heartbeat
             self._errors.report("heartbeat sequence", exc)
             return msg
@@ -203,12 +237,31 @@ class DReadGate:
                 spec, engine = kwargs["read_spec"], kwargs["dst_engine_id"]
                 agent = self._state.remote_agents[engine][(0, spec.remote_rank)]
                 self.gate.expect(request_id, agent_name(agent), kwargs["remote_request_id"])
-                self._say_hello(agent, engine)
+                self._say_hello(agent, engine, kwargs["remote_request_id"])
             except Exception as exc:  # fail closed: this read will be discarded, never served unchecked
                 self.gate.ungate(request_id)
                 self._errors.report("read gate", exc)
             else:
                 self._probe(agent, kwargs["remote_request_id"])
+
+    def proved_read(self, kwargs: dict) -> dict:
+        """``_read_blocks``' keyword arguments for the stock call (after :meth:`before_read`): when the lease of
+        ``remote_request_id`` has a secret, a copy whose ``remote_request_id`` is ``<id>~<completion tag for
+        expected_consumers>``, so that vLLM's completion reads ``<id>~<tag>:<n>``
+        (:func:`leasekit.lease.proof.completion_tag`); otherwise ``kwargs`` itself. If the tag cannot be made
+        the read is ``ungated`` (fail closed) and ``kwargs`` returned. Never raises."""
+        remote = kwargs.get("remote_request_id")
+        secret = self.secrets.secret(remote) if isinstance(remote, str) else None
+        if secret is None:
+            return kwargs
+        try:
+            tag = completion_tag(secret, kwargs["expected_consumers"])
+        except Exception as exc:  # fail closed: P would not count a plain completion of this lease
+            if kwargs.get("request_id") is not None:
+                self.gate.ungate(kwargs["request_id"])
+            self._errors.report("completion proof", exc)
+            return kwargs
+        return {**kwargs, "remote_request_id": f"{remote}{TAG_SEPARATOR}{tag}"}
 
     def _probe(self, agent: Any, remote_request_id: str) -> None:
         """A heartbeat naming this one lease, sent just before its read is posted (with the sequence
@@ -223,8 +276,11 @@ class DReadGate:
         except Exception as exc:
             self._errors.report("read probe", exc)
 
-    def _say_hello(self, agent: str | bytes, engine_id: str) -> None:
-        """Tell P agent ``agent`` (of P engine ``engine_id``) where to send its verdicts, once.
+    def _say_hello(self, agent: str | bytes, engine_id: str, remote_request_id: str | None = None) -> None:
+        """Tell P agent ``agent`` (of P engine ``engine_id``) where to send its verdicts, once. To an engine that
+        granted D a lease secret, the hello proves one (version 4): that of ``remote_request_id`` (the lease
+        being read) if it has one, else the engine's latest (:meth:`DLeaseSecrets.hello_proof`); else the old
+        ``<endpoint> <token>`` hello.
 
         Raises:
             KeyError: D does not know that engine's host (its request was not marked).
@@ -233,18 +289,21 @@ class DReadGate:
         if agent_name(agent) in self.hello_sent:
             return
         host = self._engine_hosts[str(engine_id)]
-        hello = self._hello_msgs.get(host)
+        proof = self.secrets.hello_proof(str(engine_id), remote_request_id)
+        hello = self._hello_msgs.get((host, proof))
         if hello is None:
             if len(self._hello_msgs) >= MAX_ENGINE_HOSTS:
                 self._hello_msgs.clear()
-            endpoint = self.inbox.endpoint_for(host)
-            hello = self._hello_msgs[host] = (endpoint, encode_hello(encode_hello_payload(endpoint, self.inbox.token)))
+            endpoint, token = self.inbox.endpoint_for(host), self.inbox.token
+            proved = () if proof is None else (proof[0], hello_tag(proof[1], endpoint, token))
+            payload = encode_hello_payload(endpoint, token, *proved)
+            hello = self._hello_msgs[(host, proof)] = (endpoint, encode_hello(payload))
         wrapper = self._state.nixl_wrapper
         raw = getattr(wrapper, "_wrapped", wrapper)  # not counted as a heartbeat
         raw.send_notif(agent, notif_msg=hello[1])
         self.hello_sent.add(agent_name(agent))
-        lease_logger().info("LeaseKit: said hello to P agent %s (verdicts to %s): reads from it wait for its verdicts",
-                            agent_name(agent), hello[0])
+        lease_logger().info("LeaseKit: said hello to P agent %s (verdicts to %s%s): reads from it wait for its "
+                            "verdicts", peer_ref(agent), hello[0], "" if proof is None else ", with a lease proof")
 
     def poll(self, transfers: Any, done: set[str], failed: set[str]) -> tuple[set[str], set[str]]:
         """After vLLM's stock ``_pop_done_transfers(transfers)`` returned ``(done, failed)`` (D request ids):
@@ -323,7 +382,7 @@ class DReadGate:
             sc.TP_RANK: self._state.tp_rank,
             sc.READ_OUTCOME: result.outcome,
             sc.READ_VERDICT_WAIT_S: result.wait_s,
-            sc.READ_AGENTS: list(result.agents),
+            sc.READ_AGENTS: [peer_ref(a) for a in result.agents],
             sc.EV_MONOTONIC_S: now,
             **({sc.READ_PROOF: result.proof} if result.proof else {}),
             **({KV_DIGEST_ATTR: digest} if digest is not None else {}),

@@ -10,6 +10,10 @@ NIXL wrapper's ``send_notif`` (through :class:`leasekit.vllm.taps.NotificationTa
 :meth:`DHeartbeatSender.sent` per heartbeat notification); and from ``start_load_kv`` (``pull_worker.py``)
 the requests D starts and stops heartbeating (:meth:`DHeartbeatSender.track`) and the forward-pass stall
 (:meth:`DHeartbeatSender.apply_stall`).
+
+:class:`DLeaseSecrets` keeps the lease secrets of D's live protected requests (the read gate owns it): the
+heartbeat tag each of their ids carries on the wire, and what D's completions and hello prove
+(:mod:`leasekit.lease.proof`, docs/security.md).
 """
 
 from __future__ import annotations
@@ -18,10 +22,110 @@ import copy
 import time
 from typing import Any, Callable, Iterable
 
+from leasekit.lease.codec import MAX_HEARTBEAT_ID_CHARS
+from leasekit.lease.peerref import peer_ref
+from leasekit.lease.proof import TAG_SEPARATOR, heartbeat_tag
 from leasekit.telemetry.lease_log import RateLimitedWarning, lease_logger
 from leasekit.vllm.decode.vllmstate import VllmDState
 from leasekit.vllm.taps import HEARTBEAT_PREFIX as _HEARTBEAT_PREFIX
-from leasekit.vllm.taps import HeartbeatBatch
+from leasekit.vllm.taps import HeartbeatBatch, WireHeartbeat, split_heartbeat
+from leasekit.vllm.verdictchan import MAX_HELLO_ID_CHARS
+
+MAX_LEASE_SECRETS = 65536
+"""Live protected requests whose lease secret D keeps (beyond this the oldest is forgotten: its ids go plain)."""
+MAX_HELLO_ENGINES = 4096
+"""P engines whose latest lease secret D keeps for its hello (the oldest are forgotten first)."""
+
+
+def _fits_hello(remote_request_id: str) -> bool:
+    """Whether a hello may name ``remote_request_id`` (P's ``decode_hello_payload`` refuses a space, a control
+    character, or more than :data:`leasekit.vllm.verdictchan.MAX_HELLO_ID_CHARS` characters)."""
+    return (0 < len(remote_request_id) <= MAX_HELLO_ID_CHARS and remote_request_id.isprintable()
+            and " " not in remote_request_id)
+
+
+class DLeaseSecrets:
+    """The lease secrets ``T`` of D's live protected requests (:mod:`leasekit.lease.proof`): per P request id,
+    its heartbeat wire suffix ``"~" + heartbeat_tag(T)`` (computed once, at :meth:`add`) and ``T`` (for its
+    completion tag); per P engine, the latest ``(P request id, T)``, which D's hello to that engine proves.
+    Memory: one small tuple per live request (bounded by ``max_requests``), one per engine (``max_engines``).
+
+    A request of a stock P, or of a LeaseKit P older than protocol version 4, has no secret: its ids stay plain.
+    """
+
+    def __init__(self, max_requests: int = MAX_LEASE_SECRETS, max_engines: int = MAX_HELLO_ENGINES):
+        self._max_requests = max_requests
+        self._max_engines = max_engines
+        self._by_remote: dict[str, tuple[str, bytes, str]] = {}  # P request id -> (wire suffix, T, D request id)
+        self._remote_of: dict[str, str] = {}  # D request id -> P request id
+        self._hello: dict[str, tuple[str, bytes]] = {}  # P engine id -> (P request id, T), most recent last
+
+    def __len__(self) -> int:
+        """How many requests' secrets are kept."""
+        return len(self._by_remote)
+
+    def add(self, request_id: str, engine_id: str, remote_request_id: str, secret: bytes) -> None:
+        """D request ``request_id`` reads P request ``remote_request_id`` of P engine ``engine_id`` under lease
+        secret ``secret`` (16 bytes, :func:`leasekit.lease.proof.parse_secret` of the grant's token). Not kept
+        when the tagged id would exceed :data:`leasekit.lease.codec.MAX_HEARTBEAT_ID_CHARS` (P refuses a
+        heartbeat holding such an id: left plain, it spoils no other id of the heartbeat). The engine's hello
+        proof becomes this request when its id fits a hello (printable, no space, at most
+        :data:`leasekit.vllm.verdictchan.MAX_HELLO_ID_CHARS`)."""
+        suffix = TAG_SEPARATOR + heartbeat_tag(secret)
+        if len(remote_request_id) + len(suffix) > MAX_HEARTBEAT_ID_CHARS:
+            return
+        self.finish(request_id)  # a D request reads one P request
+        old = self._by_remote.pop(remote_request_id, None)
+        if old is not None:
+            self._remote_of.pop(old[2], None)
+        self._by_remote[remote_request_id] = (suffix, secret, request_id)
+        self._remote_of[request_id] = remote_request_id
+        while len(self._by_remote) > self._max_requests:
+            _suffix, _secret, evicted = self._by_remote.pop(next(iter(self._by_remote)))
+            self._remote_of.pop(evicted, None)
+        if engine_id and _fits_hello(remote_request_id):
+            self._hello.pop(engine_id, None)
+            self._hello[engine_id] = (remote_request_id, secret)
+            while len(self._hello) > self._max_engines:
+                del self._hello[next(iter(self._hello))]
+
+    def finish(self, request_id: str) -> None:
+        """D request ``request_id`` finished: its P request's suffix and secret are forgotten (later ids of it
+        go plain). The engine's hello proof is kept even if it names that request: P checks a hello tag with its
+        engine key alone (:meth:`leasekit.lease.proof.LeaseProofs.hello_ok`), so it still proves D held a grant."""
+        remote = self._remote_of.pop(request_id, None)
+        if remote is not None and self._by_remote.get(remote, ("", b"", None))[2] == request_id:
+            del self._by_remote[remote]
+
+    def secret(self, remote_request_id: str) -> bytes | None:
+        """``T`` of P request ``remote_request_id``, or None (no secret: plain)."""
+        entry = self._by_remote.get(remote_request_id)
+        return entry[1] if entry is not None else None
+
+    def hello_proof(self, engine_id: str, prefer: str | None = None) -> tuple[str, bytes] | None:
+        """``(P request id, T)`` for a hello to P engine ``engine_id``: P request ``prefer`` when it has a secret
+        and fits a hello (the lease being read), else the engine's latest; None when the engine granted D no
+        secret (a P older than version 4: the old hello)."""
+        if prefer is not None and _fits_hello(prefer):
+            secret = self.secret(prefer)
+            if secret is not None:
+                return prefer, secret
+        return self._hello.get(str(engine_id))
+
+    def wire_heartbeats(self, msg: bytes, limit: int) -> list[WireHeartbeat] | None:
+        """The notifications that carry heartbeat ``msg`` (``b"HB:" + b",".join(ids)``): each id with a secret
+        as ``<id>~<heartbeat tag>``, the others plain, split into parts of at most ``limit`` bytes
+        (:func:`leasekit.vllm.taps.split_heartbeat`). None when ``msg`` goes as it is (no id has a secret and
+        it fits ``limit``). Raises UnicodeDecodeError when ``msg`` is not UTF-8."""
+        if not self._by_remote and len(msg) <= limit:
+            return None
+        ids = bytes(msg)[len(_HEARTBEAT_PREFIX):].decode("utf-8").split(",")
+        by_remote = self._by_remote
+        wire_ids = [rid + entry[0] if (entry := by_remote.get(rid)) is not None else rid for rid in ids]
+        if len(msg) <= limit and all(w is r for w, r in zip(wire_ids, ids)):
+            return None
+        return split_heartbeat(ids, wire_ids, limit)
+
 
 
 class DHeartbeatSender:
@@ -52,9 +156,12 @@ class DHeartbeatSender:
         self._warning = warning if warning is not None else RateLimitedWarning(lease_logger())
 
     def sent(self, agent_name: str, notif_msg: bytes, ok: bool) -> None:
-        """Count one heartbeat notification ``notif_msg`` (``b"HB:" + b",".join(ids)``) to NIXL agent
-        ``agent_name``, sent (``ok``) or raised: metric, span counts, rate-limited WARNING on failure.
-        The NIXL wrapper tap's callback. Never raises."""
+        """Count one heartbeat notification ``notif_msg`` (``b"HB:" + b",".join(ids)``, the ids as vLLM named
+        them: no lease proof, no sequence token) to NIXL agent ``agent_name``, sent (``ok``) or raised: metric,
+        span counts, rate-limited WARNING on failure (naming the agent by its
+        :func:`~leasekit.lease.peerref.peer_ref`). The NIXL wrapper tap's callback, once per notification: a
+        heartbeat split in parts (:data:`leasekit.vllm.taps.MAX_HEARTBEAT_CHUNK_BYTES`) counts once per part
+        sent, each with its own ids. Never raises."""
         try:
             engine = next(
                 (eid for eid, agents in self._state.remote_agents.items() if agent_name in agents.values()), "unknown"
@@ -67,8 +174,8 @@ class DHeartbeatSender:
                 self._warning.warn(
                     "LeaseKit: heartbeat notification to P engine %s (NIXL agent %s) failed to send; "
                     "P will expire its leases if this persists longer than E=%s s",
-                    engine, agent_name, self._extension_s,
-                    event="heartbeat_send_failure", remote_engine_id=engine, tp_rank=self._state.tp_rank,
+                    engine, peer_ref(agent_name), self._extension_s, event="heartbeat_send_failure",
+                    remote_engine_id=engine, tp_rank=self._state.tp_rank, remote_agent=agent_name,
                 )
         except Exception as exc:
             self._errors.report("heartbeat", exc)

@@ -26,11 +26,21 @@ class DHooks:
     def _read_blocks(self, *args: Any, **kwargs: Any) -> bool:
         """Stock ``_read_blocks`` (``pull_worker.py``, every argument by keyword), after the read gate
         recorded which P agent must answer for a protected request and said hello to it
-        (:meth:`leasekit.vllm.decode.gate.DReadGate.before_read`). Returns and raises as stock."""
+        (:meth:`leasekit.vllm.decode.gate.DReadGate.before_read`). When that request's lease has a secret
+        (protocol version 4), the stock call gets ``remote_request_id=f"{rid}~{completion_tag(T, n)}"``
+        (:meth:`leasekit.vllm.decode.gate.DReadGate.proved_read`), so that P's completion proves the lease.
+
+        This relies on vllm 0.32.0 ``nixl/pull_worker.py`` ``_read_blocks`` using ``remote_request_id`` for
+        nothing but the completion: line 442 ``notif_id = f"{remote_request_id}:{expected_consumers}".encode()``,
+        which it sends on a full prefix-cache hit (line 450, ``send_notif``), attaches to the READ (line 552,
+        ``make_prepped_xfer(..., notif_msg=notif_id)``) or, with mixed memory, queues for
+        ``_send_pending_recv_notifs`` (line 543, ``_read_blocks_mixed(..., notif_id=notif_id)``). The MLA /
+        DCP notice to the other P ranks in ``_read_blocks_for_req`` (line 374) builds its own completion from
+        ``meta.remote.request_id``: it stays plain. Returns and raises as stock."""
         if not self._lk_ready:
             return super()._read_blocks(*args, **kwargs)  # type: ignore[misc]
         self._lk_gate.before_read(args, kwargs)
-        return super()._read_blocks(*args, **kwargs)  # type: ignore[misc]
+        return super()._read_blocks(*args, **self._lk_gate.proved_read(kwargs))  # type: ignore[misc]
 
     def _pop_done_transfers(self, transfers: dict[str, list[int]]) -> tuple[set[str], set[str]]:
         """Stock polling (``base_worker.py``); on ``_recving_transfers``, finished protected reads are held

@@ -40,10 +40,20 @@ class PComponents:
     replies: VerdictReplies
     intake: PNotificationIntake
 
+    def take_metadata(self, lease_key: bytes | None, peers: list[str] | None) -> None:
+        """This step's ``leasekit_lease_key`` (the engine key the scheduler mints lease secrets with: from now on
+        tags verify; a key of the wrong type or length is ignored) and ``leasekit_side_channel_peers`` (addresses
+        the handshake listener served: the default verdict-channel allowlist). Never raises."""
+        proofs = self.keeping.proofs
+        if proofs.key is None and type(lease_key) is bytes and 16 <= len(lease_key) <= 64:
+            proofs.key = lease_key
+        if peers:
+            self.replies.allow_peers(peers)
+
 
 def build_prefill(state: VllmSendState, *, timing: LeaseTiming, max_hold_s: float, max_bytes: int, recorder: Any,
                   stats: Any, errors: Any, own_agent: str, fail_closed: bool, pledge_s: float,
-                  clock_id: str | None) -> PComponents:
+                  clock_id: str | None, verdict_allow: tuple = ()) -> PComponents:
     """P's lease keeping (:class:`leasekit.lease.pkeeping.PLeaseKeeping`, the pure rules) and the components
     that apply it to vLLM's lease state: the expiry heap over ``_reqs_to_send``, the pledge holds, the
     verdict channel and the notification intake.
@@ -55,16 +65,19 @@ def build_prefill(state: VllmSendState, *, timing: LeaseTiming, max_hold_s: floa
         own_agent: this worker's NIXL agent name. fail_closed: this P speaks the fail-closed protocol.
         pledge_s: the grant pledge in seconds (0: none; forced to 0 when not ``fail_closed``).
         clock_id: this worker's clock id (:func:`leasekit.vllm.clockid.local_clock_id`).
+        verdict_allow: networks (:class:`ipaddress.IPv4Network`/``IPv6Network``) a verdict channel may go to
+            (``leasekit_verdict_allow``); empty: the addresses P's handshake listener served.
 
     Raises:
         ValueError: ``max_hold_s`` shorter than ``L``, or ``pledge_s`` negative.
     """
-    keeping = PLeaseKeeping(timing, max_hold_s=max_hold_s, pledge_s=pledge_s if fail_closed else 0.0)
+    keeping = PLeaseKeeping(timing, max_hold_s=max_hold_s, pledge_s=pledge_s if fail_closed else 0.0,
+                            on_binding=stats.binding)
     leases = ExpiryIndex(state.reqs_to_send, keeping.table)
     pledges = PledgeHolds(state, keeping, recorder, stats, clock_id=clock_id)
     intake: list[PNotificationIntake] = []
-    replies = VerdictReplies(own_agent, stats, lambda *drop: intake[0].drop(*drop), clock_id=clock_id,
-                             enabled=fail_closed)
+    replies = VerdictReplies(own_agent, stats, lambda *drop: intake[0].drop(*drop), keeping.proofs, clock_id=clock_id,
+                             enabled=fail_closed, allow=verdict_allow)
     intake.append(PNotificationIntake(state, keeping, pledges, replies, recorder, stats, errors, max_bytes=max_bytes))
     return PComponents(state, keeping, leases, pledges, replies, intake[0])
 

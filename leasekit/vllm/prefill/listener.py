@@ -38,6 +38,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ContextManager
@@ -53,6 +54,9 @@ GET_META_MSG = b"get_meta_msg"
 
 MAX_REQUEST_BYTES = 1024
 """Largest request frame classified further, in bytes; a good request is about 20 bytes."""
+
+MAX_NEW_PEERS = 1024
+"""Peer addresses the listener keeps between two scheduler steps (the oldest go first)."""
 
 MAX_FRAME_BYTES = 1 << 20
 """``ZMQ_MAXMSGSIZE`` of the listener socket, in bytes: a peer sending a larger frame is disconnected
@@ -94,6 +98,26 @@ class ListenerHealth:
         self.last_bad_reason: str | None = None
         self.socket_failures = 0
         self.last_error: str | None = None
+        self.new_peers: deque[str] = deque(maxlen=MAX_NEW_PEERS)
+        """IP addresses (text) of the peers served since the scheduler last took them (:meth:`take_peers`); the
+        listener thread appends, the engine thread takes (deque appends and pops are atomic)."""
+
+    def peer_served(self, address: str | None) -> None:
+        """The listener served a handshake to a TCP peer at ``address`` (ZMQ's ``Peer-Address``; None when
+        libzmq does not say)."""
+        if address:
+            self.new_peers.append(address)
+
+    def take_peers(self) -> list[str]:
+        """Remove and return the peer addresses served since the last call (distinct, in order)."""
+        out: dict[str, None] = {}
+        peers = self.new_peers
+        while peers:
+            try:
+                out[peers.popleft()] = None
+            except IndexError:
+                break
+        return list(out)
 
     def record_bad(self, reason: str) -> None:
         """Count one refused request under ``reason`` (one of :data:`HANDSHAKE_BAD_REASONS`).
@@ -242,18 +266,28 @@ def serve_handshakes(
     health.alive = False
 
 
+def _peer_address(frame: zmq.Frame) -> str | None:
+    """The TCP peer address libzmq reports for a received frame (``Peer-Address``), or None."""
+    try:
+        return frame.get("Peer-Address") or None
+    except (zmq.ZMQError, AttributeError, UnicodeDecodeError):
+        return None
+
+
 def _serve(sock: zmq.Socket, encoded_data: Mapping[tuple[int, int], bytes], stop_event: threading.Event,
            path: str, health: ListenerHealth, warning: RateLimitedWarning, clock: Callable[[], float]) -> None:
     while not stop_event.is_set():
         try:
-            frames = sock.recv_multipart()
+            parts = sock.recv_multipart(copy=False)
         except zmq.Again:
             continue
         try:
+            frames = [part.bytes for part in parts]
             checked = check_request(frames, encoded_data)
             if checked.rank is not None:
                 reply = (frames[0], b"", encoded_data[checked.rank], msgspec.msgpack.encode(clock()))
                 health.served += 1  # counted before the send, so a peer that got the reply sees the count
+                health.peer_served(_peer_address(parts[-1]))
                 sock.send_multipart(reply)
                 continue
             health.record_bad(checked.reason or "internal_error")

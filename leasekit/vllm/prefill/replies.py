@@ -1,9 +1,12 @@
-"""P's side of the verdict channel in LeaseKitConnector (docs/fail-closed.md): which D agents said hello,
-and P's answers to them over ZMQ (:mod:`leasekit.vllm.verdictchan`).
+"""P's side of the verdict channel in LeaseKitConnector (docs/fail-closed.md, docs/security.md): which D agents
+said hello, and P's answers to them over ZMQ (:mod:`leasekit.vllm.verdictchan`).
 
-A hello (the heartbeat id ``LK1~H~<base64 endpoint and token>``) from a D agent names the ZMQ endpoint of
-that D worker's verdict inbox and its token; a bad one is dropped as ``bad_hello``, a later one replaces
-it; at most :data:`MAX_PROTOCOL_AGENTS` D agents are kept, the least recently answered closed first, so P
+A hello (the heartbeat id ``LK1~H~<base64 payload>``) from a D agent names the ZMQ endpoint of that D worker's
+verdict inbox and its token and, to a P that mints lease secrets, proves a lease: a P request id and the hello
+tag over endpoint and token (:func:`leasekit.lease.proof.hello_tag`). P connects only on a hello that proves a
+lease it granted (else ``unproven_hello``) and names an address P allows (else ``hello_not_allowed``: by
+default the addresses P's side-channel listener served handshakes to, or the networks of
+``leasekit_verdict_allow``); a malformed one is ``bad_hello``; a later good one replaces it; at most :data:`MAX_PROTOCOL_AGENTS` D agents are kept, the least recently answered closed first, so P
 can answer D without a NIXL (UCX) connection back to it. Every completion from such an agent is answered
 with a verdict ``LK1:V:ok|reaped:<id>`` (``ok`` iff the lease was live when P handled it); ``ok`` verdicts
 for an agent whose hello has not arrived yet are kept (bounded) and sent when it does. A heartbeat that
@@ -13,10 +16,13 @@ extended and the least time left over them; at most 60 KiB of ids).
 
 from __future__ import annotations
 
+import ipaddress
 from collections import deque
 from typing import Any, Callable, Iterable
 
 from leasekit.lease.codec import MAX_HEARTBEAT_ID_CHARS, encode_ack, encode_verdict
+from leasekit.lease.peerref import peer_ref
+from leasekit.lease.proof import LeaseProofs
 from leasekit.telemetry.lease_log import RateLimitedWarning, lease_logger
 from leasekit.vllm.verdictchan import MAX_ACK_BYTES, VerdictOutbox, decode_hello_payload
 
@@ -27,6 +33,8 @@ MAX_PENDING_AGENTS = 64
 MAX_PROTOCOL_AGENTS = 1024
 """D agents P keeps from hellos (each holds a ZMQ socket, one TCP connection); beyond it the least recently
 answered is closed (its D says hello again after one read times out)."""
+MAX_ALLOWED_PEERS = 4096
+"""Side-channel peer addresses P remembers as allowed verdict destinations (the oldest go first)."""
 
 
 class VerdictReplies:
@@ -35,19 +43,27 @@ class VerdictReplies:
     Args:
         own_agent: this worker's NIXL agent name (P's messages name it, so D's inbox knows the sender).
         stats: the lease stats observer (``verdict_send_failed``).
-        drop: ``drop(reason, agent, detail)``: count and log one dropped message (``bad_hello``).
+        drop: ``drop(reason, agent, detail)``: count and log one dropped message (``bad_hello``,
+            ``unproven_hello``, ``hello_not_allowed``).
+        proofs: the lease tag checker (its key None: P mints no secrets, and a hello needs no proof).
         clock_id: this worker's clock id, named in every acknowledgement (None: unknown).
         enabled: this P speaks the fail-closed protocol (``leasekit_fail_closed``); when False hellos are
             ignored, as a stock P does, and P never connects to a D nor answers one.
+        allow: networks a hello's endpoint may be in (``leasekit_verdict_allow``); empty: the side-channel peers
+            (:meth:`allow_peers`).
 
     State: :attr:`agents` (insertion-ordered set of D agents that said hello, least recently answered
     first), :attr:`pending` (agent -> kept verdicts), :attr:`outbox` (made at the first hello).
     """
 
-    def __init__(self, own_agent: str, stats: Any, drop: Callable[[str, str, str], None], *,
-                 clock_id: str | None = None, enabled: bool = True):
+    def __init__(self, own_agent: str, stats: Any, drop: Callable[[str, str, str], None],
+                 proofs: LeaseProofs | None = None, *, clock_id: str | None = None, enabled: bool = True,
+                 allow: Iterable[Any] = ()):
         self.own_agent, self.stats, self.drop = own_agent, stats, drop
+        self.proofs = proofs if proofs is not None else LeaseProofs()
         self.clock_id, self.enabled = clock_id, enabled
+        self.networks = tuple(allow)
+        self.peers: dict[str, None] = {}  # side-channel peer addresses (normalised text), most recent last
         self.agents: dict[str, None] = {}
         self.pending: dict[str, deque[bytes]] = {}
         self.outbox: VerdictOutbox | None = None
@@ -62,16 +78,53 @@ class VerdictReplies:
         if self.outbox is not None:
             self.outbox.close()
 
+    def allow_peers(self, addresses: Iterable[str]) -> None:
+        """Addresses P's side-channel listener served handshakes to: the verdict channel may go there (unless
+        ``leasekit_verdict_allow`` names networks). Bounded (:data:`MAX_ALLOWED_PEERS`); junk is ignored."""
+        for text in addresses:
+            try:
+                address = ipaddress.ip_address(str(text).split("%")[0])
+            except ValueError:
+                continue
+            key = str(address.ipv4_mapped or address) if address.version == 6 else str(address)
+            self.peers.pop(key, None)
+            self.peers[key] = None
+            if len(self.peers) > MAX_ALLOWED_PEERS:
+                del self.peers[next(iter(self.peers))]
+
+    def allowed(self, host: str) -> bool:
+        """Whether a verdict channel may connect to ``host`` (an IP literal, brackets stripped)."""
+        try:
+            address = ipaddress.ip_address(host)
+        except ValueError:
+            return False
+        if self.networks:
+            return any(address in network for network in self.networks if network.version == address.version)
+        if address.version == 6 and address.ipv4_mapped is not None:
+            address = address.ipv4_mapped
+        return str(address) in self.peers
+
     def hello(self, agent: str, payload: bytes) -> None:
-        """A D agent's hello: connect (again) to the inbox endpoint it names, with its token, and flush the
-        verdicts kept for it. A bad payload or a refused connect is ``bad_hello``. No-op when disabled."""
+        """A D agent's hello: when it proves a lease (P mints secrets) and names an allowed address, connect
+        (again) to the inbox endpoint it names, with its token, and flush the verdicts kept for it. Otherwise
+        it is dropped (``bad_hello``, ``unproven_hello``, ``hello_not_allowed``) and P opens nothing. No-op
+        when disabled."""
         if not self.enabled:
             return
         parsed = decode_hello_payload(payload)
         if isinstance(parsed, str):
             self.drop("bad_hello", agent, parsed)
             return
-        endpoint, token = parsed
+        if self.proofs.key is not None and (parsed.req_id is None or not self.proofs.hello_ok(
+                parsed.req_id, parsed.endpoint, parsed.token, parsed.tag)):
+            self.drop("unproven_hello", agent, "the hello proves no lease this P granted")
+            return
+        endpoint, token = parsed.endpoint, parsed.token
+        host = endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+        if self.proofs.key is not None and not self.allowed(host):  # no key: a P that mints no secrets (legacy)
+            self.drop("hello_not_allowed", agent, f"verdict endpoint host {host} is not an allowed address "
+                      "(a side-channel peer, or leasekit_verdict_allow)")
+            return
         if self.outbox is None:
             self.outbox = VerdictOutbox(self.own_agent)
         if agent in self.agents:
@@ -88,7 +141,7 @@ class VerdictReplies:
         self.agents[agent] = None
         if changed:
             lease_logger().info("LeaseKit: D agent %s speaks the fail-closed protocol; its verdicts go to %s",
-                                agent, endpoint)
+                                peer_ref(agent), endpoint)
         for msg in self.pending.pop(agent, ()):
             self._send(agent, msg)
 
@@ -144,6 +197,6 @@ class VerdictReplies:
             self.stats.verdict_send_failed()
             self.warning.warn(
                 "LeaseKit: could not send a read verdict to D agent %s (%s: %s); D will discard that read "
-                "after its verdict timeout", agent, type(exc).__name__, exc,
-                event="verdict_send_failure", remote_agent=agent,
+                "after its verdict timeout", peer_ref(agent), type(exc).__name__, exc,
+                event="verdict_send_failure", remote_agent=peer_ref(agent),
             )
