@@ -147,11 +147,12 @@ class LeaseKitPullScheduler(NixlPullConnectorScheduler):
         if params and params.get("do_remote_prefill") and type(marker) is int and marker in D_ACCEPTED_VERSIONS:
             pledge = parse_pledge(params.get(PLEDGE_PARAM))
             secret = parse_secret(params.get(TOKEN_PARAM)) if marker >= 4 else None
+            params.pop(TOKEN_PARAM, None)  # read once: vLLM's later DEBUG lines print kv_transfer_params
             self._leasekit_protected.append([request.request_id, params.get("remote_engine_id"),
                                              params.get("remote_host"),
                                              None if pledge is None else list(params[PLEDGE_PARAM]),
                                              params.get("remote_request_id"),
-                                             None if secret is None else params[TOKEN_PARAM], marker])
+                                             None if secret is None else secret.hex(), marker])
             self._lk_protected_ids.add(request.request_id)
         key = self._heartbeat_req_engine.get(request.request_id)
         if key is not None:

@@ -280,3 +280,27 @@ def test_fuzzed_tags_and_hellos_never_raise_move_a_proven_lease_or_open_a_connec
     assert w.send["live"] <= deadline + 0.5, "a forged heartbeat must not extend"
     assert w.replies.outbox is None, "no connection on an unproven hello"
     assert "internal_error" not in w.drops()
+
+
+def test_one_address_flooding_handshakes_cannot_push_a_ds_address_off_the_allowlist():
+    from leasekit.vllm.prefill.listener import MAX_NEW_PEERS, ListenerHealth
+    health = ListenerHealth()
+    health.peer_served("10.0.0.5")  # the real D
+    for _ in range(3 * MAX_NEW_PEERS):
+        health.peer_served("10.9.9.9")
+    assert set(health.take_peers()) == {"10.0.0.5", "10.9.9.9"}
+    assert health.take_peers() == []
+
+
+def test_a_sequenced_heartbeat_that_extends_nothing_gets_no_ack():
+    w = proven_worker()
+    w.replies.allow_peers(["127.0.0.1"])
+    w.grant("live", time.perf_counter() - 3.0)
+    w.step({"d0": [hello("live")]})
+    sent = []
+    w.replies._send = lambda agent, msg, ack=False: sent.append(msg)
+    w.step({"d0": [b"HB:LK1~5", b"HB:nope,LK1~6", f"HB:live~{'0' * 16},LK1~7".encode()]})  # nothing, unknown, forged
+    assert sent == []
+    w.step({"d0": [encode_heartbeat([tagged("live"), "LK1~8"])]})
+    assert len(sent) == 1 and sent[0].startswith(b"LK1:A:8:")
+    w.replies.close()

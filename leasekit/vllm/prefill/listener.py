@@ -38,7 +38,6 @@ import contextlib
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ContextManager
@@ -98,26 +97,30 @@ class ListenerHealth:
         self.last_bad_reason: str | None = None
         self.socket_failures = 0
         self.last_error: str | None = None
-        self.new_peers: deque[str] = deque(maxlen=MAX_NEW_PEERS)
-        """IP addresses (text) of the peers served since the scheduler last took them (:meth:`take_peers`); the
-        listener thread appends, the engine thread takes (deque appends and pops are atomic)."""
+        self.new_peers: dict[str, None] = {}
+        """IP addresses (text) of the peers served since the scheduler last took them (:meth:`take_peers`),
+        distinct, most recent last: one address flooding handshakes holds one entry, so it cannot push another
+        D's address out before the scheduler takes them. The listener thread adds, the engine thread takes."""
+        self._peers_lock = threading.Lock()
 
     def peer_served(self, address: str | None) -> None:
         """The listener served a handshake to a TCP peer at ``address`` (ZMQ's ``Peer-Address``; None when
-        libzmq does not say)."""
+        libzmq does not say). At most :data:`MAX_NEW_PEERS` distinct addresses wait (the oldest go first)."""
         if address:
-            self.new_peers.append(address)
+            with self._peers_lock:
+                peers = self.new_peers
+                peers.pop(address, None)
+                peers[address] = None
+                if len(peers) > MAX_NEW_PEERS:
+                    del peers[next(iter(peers))]
 
     def take_peers(self) -> list[str]:
         """Remove and return the peer addresses served since the last call (distinct, in order)."""
-        out: dict[str, None] = {}
-        peers = self.new_peers
-        while peers:
-            try:
-                out[peers.popleft()] = None
-            except IndexError:
-                break
-        return list(out)
+        if not self.new_peers:
+            return []
+        with self._peers_lock:
+            out, self.new_peers = list(self.new_peers), {}
+        return out
 
     def record_bad(self, reason: str) -> None:
         """Count one refused request under ``reason`` (one of :data:`HANDSHAKE_BAD_REASONS`).

@@ -180,7 +180,7 @@ class PNotificationIntake:
                 req_id, tag = split
             new = keeping.heartbeat(req_id, agent, now, extension, tag)  # proof or binding, then renewal
             if new is None:  # not indexed (cannot happen once granted): plain-bound rules here
-                new = FOREIGN if tag is not None or not keeping.binding.heartbeat(req_id, agent) else None
+                new = FOREIGN if tag is not None or keeping.binding.heartbeat(req_id, agent) is not True else None
             if new is CLAIM_WAIT:
                 continue  # a plain first contact inside the claim window: no effect (the deadline could not move)
             if new is FOREIGN or new is UNPROVEN:
@@ -198,8 +198,8 @@ class PNotificationIntake:
             remaining = min(remaining, new - now)
         if unknown:
             self.stats.heartbeat_unknown_ids(unknown)
-        if seq is not None:
-            self.replies.ack(agent, seq, acked, remaining if acked else 0.0, now)
+        if seq is not None and (acked or keeping.proofs.key is None):  # a heartbeat that extended nothing is
+            self.replies.ack(agent, seq, acked, remaining if acked else 0.0, now)  # not answered (no amplifier)
 
     def _cap(self, req_id: str, deadline: float) -> float:
         grant = self.recorder.grant_time(req_id)
