@@ -29,6 +29,9 @@ def _server(tmp_path, script: str) -> VllmServer:
 @pytest.fixture
 def group_server(tmp_path):
     server = _server(tmp_path, GROUP_SCRIPT)
+    # the subshell is forked before it execs under its new name: wait until the name shows (a loaded host
+    # once ran the test in between, finding no engine core)
+    assert procs.wait_until(lambda: len(find_engine_core_pids(server.pids())) == 1, 10), server.pids()
     yield server
     server.stop(grace_s=1)
 
