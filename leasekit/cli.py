@@ -87,7 +87,7 @@ def _cmd_chaos_list(args: argparse.Namespace) -> int:
         try:
             s = load_scenario(path)
             rows.append({"name": name, "incident": s.incident, "lease_duration_s": s.lease.duration_s,
-                         "targets": list(s.topology.targets), "expect": {t: s.expect.verdict_for(t) for t in s.topology.targets},
+                         "mode": s.topology.transfer_mode, "targets": list(s.topology.targets), "expect": {t: s.expect.verdict_for(t) for t in s.topology.targets},
                          "description": s.description, "path": str(path)})
         except ScenarioError as exc:
             rows.append({"name": name, "path": str(path), "error": str(exc)})
@@ -95,17 +95,17 @@ def _cmd_chaos_list(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2))
         return EXIT_OK
     table = Table(title=f"scenarios in {args.catalog or catalog_dir()}")
-    for column in ("name", "incident", "L (s)", "targets"):  # never cut: names are what you type next
+    for column in ("name", "incident", "L (s)", "mode", "targets"):  # never cut: names are what you type next
         table.add_column(column, no_wrap=True)
     table.add_column("expect")
     table.add_column("description", overflow="fold")
     for row in rows:
         if "error" in row:
-            table.add_row(Text(row["name"]), "?", "?", "?", "?", Text(f"invalid: {row['error']}", style="red"))
+            table.add_row(Text(row["name"]), "?", "?", "?", "?", "?", Text(f"invalid: {row['error']}", style="red"))
             continue
         expect = ", ".join(f"{t}: {v}" for t, v in row["expect"].items())
-        table.add_row(*(Text(cell) for cell in (row["name"], row["incident"], f'{row["lease_duration_s"]:g}', ",".join(row["targets"]),
-                                                expect, row["description"])))  # Text: a file's [brackets] are not markup
+        table.add_row(*(Text(cell) for cell in (row["name"], row["incident"], f'{row["lease_duration_s"]:g}', row["mode"],
+                                                ",".join(row["targets"]), expect, row["description"])))  # Text: a file's [brackets] are not markup
     console = Console()
     if not console.is_terminal:  # a pipe or file: rich would assume 80 columns
         console = Console(width=200)

@@ -39,7 +39,7 @@ class ScenarioExecution:
         self.reader = EvidenceReader(pair, target, self.timing)
         self.steady_cache = steady_cache if steady_cache is not None else {}
         self.result = ScenarioResult(scenario.name, target, UNKNOWN, scenario.expect.verdict_for(target), "",
-                                     incident=scenario.incident,
+                                     incident=scenario.incident, mode=scenario.topology.transfer_mode,
                                      known_defect=getattr(scenario.expect, f"known_defect_{target}"),
                                      expected_failing=list(scenario.expect.failing_checks))
         self.fault_run: FaultRun | None = None

@@ -26,6 +26,7 @@ def pair_spec(scenario: Scenario, target: str, deployment=None) -> PairSpec:
         decode_connector=target,
         lease_duration_s=scenario.lease.timing().lease_duration_s,
         decode_max_num_seqs=scenario.topology.decode_max_num_seqs,
+        transfer_mode=scenario.topology.transfer_mode,
         prefill_monotonic_offset_s=launch.prefill_monotonic_offset_s,
         decode_monotonic_offset_s=launch.decode_monotonic_offset_s,
         prefill_wall_offset_s=launch.prefill_wall_offset_s,

@@ -94,7 +94,7 @@ def print_check(console: Console, check: CheckResult, prefix: str) -> None:
 
 
 def print_results(report: dict, results: list, console: Console | None = None) -> None:
-    """Every result's checks and effects, then the scenario x target matrix and the overall line."""
+    """Every result's checks and effects, then the scenario x transfer mode x target matrix and the overall line."""
     console = console or make_console()
     for r in results:
         console.rule(f"{r.scenario} / {r.target} ({r.incident})")
@@ -112,14 +112,17 @@ def print_results(report: dict, results: list, console: Console | None = None) -
         console.print(f"{r.scenario} / {r.target}: {_verdict(r.verdict)}{expected} - {r.summary}{defect}")
     targets = sorted({r.target for r in results}, key=lambda t: (t != "leasekit", t))
     if results:
-        table = Table(title="conformance: verdict per scenario and target (expected in brackets when different)", title_justify="left")
+        table = Table(title="conformance: verdict per scenario, transfer mode and target (expected in brackets when different)",
+                      title_justify="left")
         table.add_column("scenario")
+        table.add_column("mode")
         table.add_column("incident")
         for target in targets:
             table.add_column(target)
         for scenario, cells in report.get("matrix", {}).items():
             incident = next((r.incident for r in results if r.scenario == scenario), "")
-            row = [scenario, incident]
+            mode = next((r.mode for r in results if r.scenario == scenario), "pull")
+            row = [scenario, mode, incident]
             for target in targets:
                 cell = cells.get(target)
                 if cell is None:

@@ -31,6 +31,7 @@ class ScenarioResult:
     notes: list[str] = field(default_factory=list)
     known_defect: str | None = None
     expected_failing: list[str] = field(default_factory=list)
+    mode: str = "pull"  # NIXL transfer mode of the pair: pull, or push (vLLM's NixlPushConnector)
 
     @property
     def as_expected(self) -> bool:
@@ -46,7 +47,7 @@ class ScenarioResult:
 
     def to_json(self) -> dict:
         return {
-            "scenario": self.scenario, "target": self.target, "incident": self.incident,
+            "scenario": self.scenario, "target": self.target, "mode": self.mode, "incident": self.incident,
             "verdict": self.verdict, "expected": self.expected, "as_expected": self.as_expected,
             "summary": self.summary, "known_defect": self.known_defect, "expected_failing_checks": self.expected_failing,
             "steady_state": None if self.steady_state is None else self.steady_state.to_json(),

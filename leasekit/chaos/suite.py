@@ -154,7 +154,8 @@ class Suite:
             raise
         except Exception as exc:  # noqa: BLE001 - one scenario's harness error is its verdict
             result = ScenarioResult(scenario.name, target, UNKNOWN, scenario.expect.verdict_for(target),
-                                    f"harness error: {type(exc).__name__}: {exc}", incident=scenario.incident)
+                                    f"harness error: {type(exc).__name__}: {exc}", incident=scenario.incident,
+                                    mode=scenario.topology.transfer_mode)
             result.notes.append(traceback.format_exc())
             getattr(self.pool, "close_current", self.pool.close)()  # a pair warming up for later stays
         self.results.append(result)
@@ -293,7 +294,7 @@ class Suite:
         """The JSON report (valid for interrupted and failed runs too)."""
         matrix: dict = {}
         for r in self.results:
-            matrix.setdefault(r.scenario, {})[r.target] = {"verdict": r.verdict, "expected": r.expected}
+            matrix.setdefault(r.scenario, {})[r.target] = {"verdict": r.verdict, "expected": r.expected, "mode": r.mode}
         return {
             "leasekit_version": __version__,
             "status": self.status,

@@ -301,7 +301,7 @@ class QueuedDecodeLoad:
     def _decode(self, index: int, prompt: list[int], prefill: PrefillResult, timeout_s: float | None) -> None:
         assert self.pair.router is not None
         result = self.pair.router.decode(prompt, prefill.kv_transfer_params, self.decode_tokens, timeout_s=timeout_s,
-                                         traceparent=prefill.traceparent)
+                                         traceparent=prefill.traceparent, routing_id=prefill.routing_id)
         with self._lock:
             self.decodes[index] = result
 

@@ -160,6 +160,7 @@ class PDPair:
             command_prefix=prefix, bind_host=bind_host, url_host=url_host, connector_extra=self._connector_extra(role),
             **({"side_channel_host": url_host} if self.testbed is not None else {}),  # NIXL between the two hosts
             kv_load_failure_policy=self.spec.decode_kv_load_failure_policy if role == "decode" else None,
+            transfer_mode=self.spec.transfer_mode,
             **({"kv_cache_bytes": self.spec.prefill_kv_cache_bytes} if role == "prefill" and self.spec.prefill_kv_cache_bytes else {}),
             **({"max_model_len": DECODE_MAX_MODEL_LEN} if role == "decode" and deployment_free else {}),  # a pair file: deploy.server_fields
         )

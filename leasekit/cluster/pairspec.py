@@ -36,7 +36,8 @@ class PairSpec:
     protocol (``leasekit_fail_closed``, the connector's default; False sets it false, docs/fail-closed.md),
     and LeaseKit P's grant pledge in seconds (``leasekit_pledge_s``; None keeps the connector's default),
     and the deployment (a pair file, :mod:`leasekit.cluster.pairfile`: hosts, devices, model, TP, ports;
-    None is the CPU default, which an empty pair file describes too)."""
+    None is the CPU default, which an empty pair file describes too), and the NIXL transfer mode
+    (``pull``, or ``push``: vLLM's NixlPushConnector, stock connectors only)."""
 
     prefill_connector: str = "leasekit"
     decode_connector: str = "leasekit"
@@ -61,6 +62,7 @@ class PairSpec:
     fail_closed: bool = True
     prefill_pledge_s: float | None = None
     deployment: PairFile | None = None
+    transfer_mode: str = "pull"
 
     def launch_key(self) -> tuple:
         """Everything that needs a fresh pair when it changes (hashable: the deployment as its JSON)."""

@@ -3,6 +3,13 @@ with the ``kv_transfer_params`` P returned (the protocol of vLLM's
 ``examples/online_serving/disaggregated_serving`` proxies). Prompts are token-id lists because the
 servers run with ``--skip-tokenizer-init``.
 
+Like vLLM's proxies, the router sends one ``X-Request-Id`` (a fresh random id per routed request) to
+both P and D: vLLM builds each side's internal request id from it (``cmpl-<X-Request-Id>-0-<8 hex>``),
+and push mode (``NixlPushConnector``) needs that: P matches D's ``PUSH_REG`` registration to its
+finished prefill by that id with the random suffix stripped (vllm ``nixl/push_worker.py``:
+``_pop_matching_registration``, ``nixl/utils.py``: ``get_base_request_id``); without a shared id the
+WRITE never starts and D waits forever. Pull mode does not need it and is not changed by it.
+
 Like a proxy instrumented with OpenTelemetry, the router starts one W3C trace per routed request and
 sends its ``traceparent`` to both P and D, so vLLM's request spans and LeaseKit's lease spans on both
 sides share one trace id (W3C Trace Context; vLLM reads it in ``serving.py: _get_trace_headers``).
@@ -13,6 +20,7 @@ from __future__ import annotations
 import secrets
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +38,7 @@ class PrefillResult:
     kv_transfer_params: dict[str, Any] | None = None
     error: str | None = None
     traceparent: str | None = None
+    routing_id: str | None = None  # the X-Request-Id sent to P, to send to D with the decode
 
     @property
     def request_id(self) -> str | None:
@@ -88,12 +97,14 @@ class Router:
         self._client.close()
 
     def _post(self, url: str, body: dict[str, Any], timeout_s: float | None = None,
-              traceparent: str | None = None) -> tuple[int, dict[str, Any] | None, str | None, float]:
+              traceparent: str | None = None, routing_id: str | None = None,
+              ) -> tuple[int, dict[str, Any] | None, str | None, float]:
         t0 = time.monotonic()
         try:
             extra: dict[str, Any] = {} if timeout_s is None else {"timeout": timeout_s}
-            if traceparent:
-                extra["headers"] = {"traceparent": traceparent}
+            headers = {name: value for name, value in (("traceparent", traceparent), ("X-Request-Id", routing_id)) if value}
+            if headers:
+                extra["headers"] = headers
             response = self._client.post(f"{url}/v1/completions", json=body, **extra)
         except httpx.HTTPError as exc:
             return 0, None, f"{type(exc).__name__}: {exc}", time.monotonic() - t0
@@ -109,8 +120,9 @@ class Router:
     def prefill(self, prompt: list[int]) -> PrefillResult:
         """Prefill ``prompt`` (token ids) on P with ``do_remote_decode``; P then holds a lease.
 
-        Starts a new trace: the result's ``traceparent`` goes to D with :meth:`decode`."""
-        traceparent = new_traceparent()
+        Starts a new trace and a new routing id: the result's ``traceparent`` and ``routing_id`` go to D
+        with :meth:`decode`."""
+        traceparent, routing_id = new_traceparent(), new_routing_id()
         status, payload, error, latency = self._post(
             self.prefill_url,
             {
@@ -121,19 +133,23 @@ class Router:
                 "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False},
             },
             traceparent=traceparent,
+            routing_id=routing_id,
         )
         params = (payload or {}).get("kv_transfer_params") if status == 200 else None
         if status == 200 and not params:
             error = "P answered 200 without kv_transfer_params (is P a kv_producer with a NIXL connector?)"
         return PrefillResult(status=status, latency_s=latency, kv_transfer_params=params, error=error,
-                             traceparent=traceparent)
+                             traceparent=traceparent, routing_id=routing_id)
 
     def decode(self, prompt: list[int], kv_transfer_params: dict[str, Any] | None, max_tokens: int,
-               *, timeout_s: float | None = None, traceparent: str | None = None) -> DecodeResult:
+               *, timeout_s: float | None = None, traceparent: str | None = None,
+               routing_id: str | None = None) -> DecodeResult:
         """Decode ``max_tokens`` tokens on D, reading the prompt's KV blocks from P.
 
         ``timeout_s``: give up (disconnect; vLLM then aborts the request) after this many seconds.
         ``traceparent``: the W3C trace context to send (the prefill's, to join one trace).
+        ``routing_id``: the prefill's ``X-Request-Id`` (:attr:`PrefillResult.routing_id`); push mode needs
+        it, or P never matches D's registration.
         """
         body: dict[str, Any] = {
             "model": SERVED_MODEL_NAME,
@@ -145,7 +161,7 @@ class Router:
         }
         if kv_transfer_params is not None:
             body["kv_transfer_params"] = kv_transfer_params
-        status, payload, error, latency = self._post(self.decode_url, body, timeout_s, traceparent)
+        status, payload, error, latency = self._post(self.decode_url, body, timeout_s, traceparent, routing_id)
         if status != 200 or payload is None:
             return DecodeResult(status=status, latency_s=latency, error=error)
         choice = (payload.get("choices") or [{}])[0]
@@ -162,7 +178,7 @@ class Router:
         result = RoutedResult(prefill=self.prefill(prompt))
         if result.prefill.ok:
             result.decode = self.decode(prompt, result.prefill.kv_transfer_params, max_tokens,
-                                        traceparent=result.prefill.traceparent)
+                                        traceparent=result.prefill.traceparent, routing_id=result.prefill.routing_id)
         return result
 
     def hold_decode_slot(self, prompt: list[int], stop: threading.Event, max_tokens: int = 4000) -> int:
@@ -188,6 +204,11 @@ class Router:
         except httpx.HTTPError:
             pass
         return chunks
+
+
+def new_routing_id() -> str:
+    """A fresh ``X-Request-Id`` for one routed request: 32 lowercase hex digits (a random UUID's)."""
+    return uuid.uuid4().hex
 
 
 def new_traceparent() -> str:

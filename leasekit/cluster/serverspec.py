@@ -10,7 +10,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from leasekit.vllm import CONNECTOR_MODULE_PATH, CONNECTOR_NAME, STOCK_CONNECTOR_NAME
+from leasekit.vllm import (
+    CONNECTOR_MODULE_PATH,
+    CONNECTOR_NAME,
+    STOCK_CONNECTOR_NAME,
+    STOCK_PUSH_CONNECTOR_NAME,
+    TRANSFER_MODES,
+)
 
 Role = Literal["prefill", "decode"]
 ConnectorKind = Literal["leasekit", "stock"]
@@ -80,6 +86,7 @@ class ServerSpec:
     cuda_visible_devices: list[int] | None = None
     kv_buffer_device: str | None = None
     side_channel_host: str = "127.0.0.1"
+    transfer_mode: str = "pull"
 
     def __post_init__(self) -> None:
         if self.role not in KV_ROLES:
@@ -88,6 +95,11 @@ class ServerSpec:
             raise ValueError(f"connector must be 'leasekit' or 'stock', got {self.connector!r}")
         if self.kv_load_failure_policy not in (None, "recompute", "fail"):
             raise ValueError(f"kv_load_failure_policy must be 'recompute', 'fail' or None, got {self.kv_load_failure_policy!r}")
+        if self.transfer_mode not in TRANSFER_MODES:
+            raise ValueError(f"transfer_mode must be one of {TRANSFER_MODES}, got {self.transfer_mode!r}")
+        if self.transfer_mode == "push" and self.connector == "leasekit":
+            raise ValueError("transfer_mode 'push' runs only vLLM's own NixlPushConnector (connector 'stock'): LeaseKit has "
+                             "no push connector yet; fix: connector='stock', or transfer_mode='pull'")
         for name, allowed in (("device", ("cpu", "cuda")), ("kv_buffer_device", (None, "cpu", "cuda"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -99,7 +111,8 @@ class ServerSpec:
     def kv_transfer_config(self, run_dir: Path) -> dict:
         """The ``--kv-transfer-config`` JSON object for this server."""
         config: dict = {
-            "kv_connector": CONNECTOR_NAME if self.connector == "leasekit" else STOCK_CONNECTOR_NAME,
+            "kv_connector": (CONNECTOR_NAME if self.connector == "leasekit"
+                             else STOCK_PUSH_CONNECTOR_NAME if self.transfer_mode == "push" else STOCK_CONNECTOR_NAME),
             "kv_role": KV_ROLES[self.role],
             "kv_connector_extra_config": {"kv_lease_duration": self.lease_duration_s},
         }

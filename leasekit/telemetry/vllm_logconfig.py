@@ -20,6 +20,10 @@ _NIXL = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
 GRANT_LOGGER = f"{_NIXL}.pull_scheduler"
 """Logger of the grant line (``init_logger(__name__)`` in ``nixl/pull_scheduler.py``)."""
 
+PUSH_GRANT_LOGGER = f"{_NIXL}.push_scheduler"
+"""Logger of push mode's grant line (``nixl/push_scheduler.py``, vLLM's NixlPushConnector); it also logs,
+at DEBUG, one line per finished or newly allocated push request (none per step)."""
+
 WORKER_LOGGER = f"{_NIXL}.base_worker"
 """Logger of the heartbeat and expiry lines (``nixl/base_worker.py``)."""
 
@@ -30,7 +34,7 @@ RELEASE_LOGGER = "vllm.v1.core.sched.scheduler"
 """Logger of "Finished sending KV transfer" (``vllm/v1/core/sched/scheduler.py``): the direct
 evidence of a release. Six DEBUG calls in all, none per step on P, so DEBUG costs little."""
 
-LEASE_LOGGERS = (GRANT_LOGGER, WORKER_LOGGER, PULL_WORKER_LOGGER)
+LEASE_LOGGERS = (GRANT_LOGGER, PUSH_GRANT_LOGGER, WORKER_LOGGER, PULL_WORKER_LOGGER)
 """The loggers that carry the lease events proper."""
 
 DEFAULT_DEBUG_LOGGERS = (*LEASE_LOGGERS, RELEASE_LOGGER)

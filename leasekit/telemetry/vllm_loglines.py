@@ -8,7 +8,8 @@ that writes them:
 
 * grant (EngineCore, the scheduler): ``NIXLConnector request_finished(%s) waiting for %d seconds
   before releasing blocks`` (DEBUG, ``pull_scheduler.py: request_finished``; the deadline
-  ``perf_counter() + L`` is stamped right after it).
+  ``perf_counter() + L`` is stamped right after it); in push mode (vLLM's NixlPushConnector) the same
+  line begins ``NixlPushConnector request_finished(%s)`` (DEBUG, ``push_scheduler.py: request_finished``).
 * heartbeat (Worker, one process per TP rank): ``Heartbeat extended lease for request %s by %ds
   (old_expiry=%.1f, new_expiry=%.1f)`` (DEBUG, ``base_worker.py: _handle_heartbeat``; logged for
   every delivered heartbeat naming a held lease, also when ``max(old, now + E)`` keeps ``old``).
@@ -41,7 +42,7 @@ _HEADER_RE = re.compile(
     r"\[(?P<file>[^\]\s]*):(?P<lineno>\d+)\] (?P<msg>.*)"
 )
 _GRANT_RE = re.compile(
-    r"NIXLConnector request_finished\((?P<rid>.+)\) waiting for (?P<ttl>-?\d+) seconds before releasing blocks"
+    r"(?:NIXLConnector|NixlPushConnector) request_finished\((?P<rid>.+)\) waiting for (?P<ttl>-?\d+) seconds before releasing blocks"
 )
 _HEARTBEAT_RE = re.compile(
     r"Heartbeat extended lease for request (?P<rid>.+) by (?P<ext>-?\d+)s "

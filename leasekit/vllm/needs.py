@@ -162,6 +162,8 @@ _SOURCE_MODULES = (*(f"{NIXL}.{m}" for m in ("base_worker", "pull_worker", "base
 
 _LOG_FORMATS_032 = MappingProxyType({
     f"{NIXL}.pull_scheduler": ("NIXLConnector request_finished(%s) waiting for %d seconds before releasing blocks",),
+    # push mode's grant line (vLLM's NixlPushConnector; the stock push target's evidence)
+    f"{NIXL}.push_scheduler": ("NixlPushConnector request_finished(%s) waiting for %d seconds before releasing blocks",),
     f"{NIXL}.base_worker": (
         "Heartbeat extended lease for request %s by %ds (old_expiry=%.1f, new_expiry=%.1f)",
         "Releasing expired KV blocks for request %s which were retrieved by %d remote worker(s) before lease expired.",

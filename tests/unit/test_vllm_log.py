@@ -330,3 +330,14 @@ def test_regrant_and_empty_input():
     result = parse_stock_lease_log([grant.format(t=10.0), grant.format(t=11.0)], lease_duration_s=6, extension_s=4)
     assert result.regrants == 1
     assert [t.grant_s for t in result.open_leases] == [10.0, 11.0]
+
+
+def test_push_mode_grant_line_is_a_grant():
+    # vLLM's NixlPushConnector logs the grant from push_scheduler.py with its own class name
+    head = "(EngineCore pid=1) DEBUG 01-01 00:00:00.000 t={t:.6f} vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler [push_scheduler.py:252] "
+    grant = head + "NixlPushConnector request_finished(P1) waiting for 6 seconds before releasing blocks"
+    other = head + "NixlPushConnector request_finished(P1), request_status=FINISHED_LENGTH_CAPPED, kv_transfer_params=None"
+    result = parse_stock_lease_log([other.format(t=9.0), grant.format(t=10.0)], lease_duration_s=6, extension_s=4)
+    (lease,) = result.open_leases
+    assert (lease.request_id, lease.grant_s) == ("P1", 10.0)
+    assert result.bad_lines == 0

@@ -1,0 +1,121 @@
+"""Push mode on a real pair: vLLM's own NixlPushConnector on both sides (P WRITEs the prompt's KV blocks
+into the blocks D registered, vllm ``nixl/push_worker.py``), the CPU build, routed as leasekit routes.
+
+What these tests pin down:
+
+- a push pair serves, and the KV blocks P wrote give D the same tokens as P computing the whole
+  request itself (greedy, same dummy weights);
+- it serves only because the router sends P and D one ``X-Request-Id``: P matches D's ``PUSH_REG``
+  registration to its finished prefill by vLLM's request id with the random suffix stripped
+  (``push_worker.py: _pop_matching_registration``); without a shared id no WRITE starts and D's
+  request waits until the client gives up, heartbeating P's lease all the while (D registered and
+  waits for a WRITE), and P reclaims the lease once D's heartbeats stop;
+- stock P trusts a ``PUSH_REG``: a stranger who knows a request id makes P dial the stranger's address
+  to WRITE the prompt's KV blocks there.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+import uuid
+
+import httpx
+import msgspec
+import pytest
+
+from leasekit.chaos.peer import NixlPeer
+from leasekit.cluster.pair import PairSpec, PDPair
+from leasekit.cluster.serverspec import SERVED_MODEL_NAME
+from tests.prefetch import PREFETCH
+
+pytestmark = pytest.mark.pair
+L = 6
+TOKENS = 8
+SPEC = PairSpec.pinned(prefill_connector="stock", decode_connector="stock", transfer_mode="push", lease_duration_s=L,
+                       lease_logging=True)  # P's lease lines at DEBUG: the evidence of a stock P
+PREFETCH_PAIRS = [SPEC]
+"""Started ahead in the background (tests/prefetch.py)."""
+
+
+@pytest.fixture(scope="module")
+def push_pair(vllm_available, tmp_path_factory):
+    with PREFETCH.pair_for(SPEC, tmp_path_factory.mktemp("push") / "run") as started:
+        yield started
+
+
+def local_generation(pair: PDPair, prompt: list[int], max_tokens: int) -> list[int]:
+    """P computes the whole request itself (no kv_transfer_params): the tokens a push must reproduce."""
+    response = httpx.post(f"{pair.prefill.url}/v1/completions", timeout=120, json={
+        "model": SERVED_MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+        "ignore_eos": True, "return_token_ids": True})
+    assert response.status_code == 200, response.text[:300]
+    return response.json()["choices"][0]["token_ids"]
+
+
+def test_push_pair_runs_vllms_push_connector(push_pair):
+    config = push_pair.prefill.spec.kv_transfer_config(push_pair.run_dir)
+    assert config["kv_connector"] == "NixlPushConnector"
+    assert "push_worker.py" in push_pair.prefill.log_path.read_text(errors="replace")  # "nixl-push-writer thread started"
+
+
+def test_pushed_kv_blocks_give_the_tokens_of_a_local_prefill(push_pair):
+    for length in (32, 48, 80):  # 80 tokens: several KV blocks per request
+        prompt = push_pair.prompt(length)
+        routed = push_pair.router.generate(prompt, TOKENS)
+        assert routed.prefill.ok, routed.prefill.error
+        assert routed.prefill.kv_transfer_params["transfer_mode"] == "push"
+        assert routed.decode is not None and routed.decode.ok, routed.decode and routed.decode.error
+        assert routed.decode.token_ids == local_generation(push_pair, prompt, TOKENS)
+
+
+def test_without_a_shared_request_id_p_never_pushes(push_pair):
+    prompt = push_pair.prompt(40)
+    prefill = push_pair.router.prefill(prompt)
+    assert prefill.ok, prefill.error
+    # D gets its own X-Request-Id: its PUSH_REG names a request P never finished, so no WRITE comes
+    stranded = push_pair.router.decode(prompt, prefill.kv_transfer_params, TOKENS, timeout_s=2 * L,
+                                       traceparent=prefill.traceparent, routing_id=None)
+    assert stranded.status == 0 and not stranded.ok, "D served a push request whose registration P could not match"
+    gave_up = time.monotonic()
+    rid = prefill.request_id
+    # D registered and waits for a WRITE, heartbeating P's lease (H = 1 s) until the client gave up
+    # and D aborted the request; P then reclaims the lease at the last heartbeat + E (+ a step)
+    expired = f"Releasing expired KV blocks for request {rid} "
+    while expired not in push_pair.prefill.log_path.read_text(errors="replace") and time.monotonic() < gave_up + 3 * L:
+        time.sleep(0.25)
+    log = push_pair.prefill.log_path.read_text(errors="replace")
+    assert expired in log, f"P still holds the lease of {rid} {3 * L} s after D stopped waiting for it"
+    assert log.count(f"Heartbeat extended lease for request {rid} ") >= L, "D did not heartbeat the lease it waited on"
+    again = push_pair.router.generate(push_pair.prompt(40), TOKENS)  # the pair still serves routed requests
+    assert again.decode is not None and again.decode.ok
+
+
+
+def test_stock_p_dials_the_address_a_strangers_push_reg_names(push_pair):
+    """vLLM's push mode takes a ``PUSH_REG`` as an identity: any NIXL peer that handshaked with P and
+    knows a finished prefill's request id (a claim: vLLM builds it from the client's ``X-Request-Id``)
+    names its own engine, address and block ids, and P's writer dials that address to WRITE the
+    prompt's KV blocks there (``push_worker.py``: ``_handle_push_reg_notif`` -> ``_do_start_push_kv``
+    -> ``_ensure_handshake``). This pins the stock behaviour a LeaseKit push connector must refuse."""
+    prefill = push_pair.router.prefill(push_pair.prompt(40))  # finished on P; D is never asked
+    assert prefill.ok, prefill.error
+    params = prefill.kv_transfer_params
+    with socket.socket() as trap, NixlPeer() as stranger:
+        trap.bind(("127.0.0.2", 0))  # an address P served no handshake to
+        trap.listen(4)
+        trap.settimeout(L)
+        agent = stranger.handshake("127.0.0.1", push_pair.prefill.side_channel_port)
+        registration = {
+            "request_id": prefill.request_id, "decode_engine_id": f"stranger-{uuid.uuid4()}",
+            "decode_host": "127.0.0.2", "decode_port": trap.getsockname()[1], "decode_tp_size": 1,
+            "local_block_ids": [[1]], "remote_engine_id": params["remote_engine_id"],
+            "remote_host": params["remote_host"], "remote_port": params["remote_port"],
+            "remote_tp_size": params["tp_size"], "remote_pp_size": 1,
+        }
+        stranger.send(agent, b"PUSH_REG:" + msgspec.msgpack.encode(registration))
+        connection, (peer_host, _) = trap.accept()  # socket.timeout here: P did not dial (the defect is gone)
+        connection.close()
+    assert peer_host == "127.0.0.1"
+    again = push_pair.router.generate(push_pair.prompt(40), TOKENS)  # P survives its failed handshake
+    assert again.decode is not None and again.decode.ok

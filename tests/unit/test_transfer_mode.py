@@ -1,0 +1,86 @@
+"""Transfer mode of the servers leasekit starts (pull: NixlConnector / LeaseKitConnector; push: vLLM's
+NixlPushConnector), and the router's shared ``X-Request-Id`` that push mode needs."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from leasekit.cluster.pair import PairSpec, PDPair
+from leasekit.cluster.router import Router, new_routing_id
+from leasekit.cluster.serverspec import ServerSpec
+
+
+def _spec(tmp_path, **kwargs) -> ServerSpec:
+    kwargs.setdefault("connector", "stock")
+    return ServerSpec(name="prefill", role="prefill", model_dir=tmp_path, **kwargs)
+
+
+def test_push_mode_runs_vllms_push_connector(tmp_path):
+    assert _spec(tmp_path, transfer_mode="push").kv_transfer_config(tmp_path)["kv_connector"] == "NixlPushConnector"
+    assert _spec(tmp_path).kv_transfer_config(tmp_path)["kv_connector"] == "NixlConnector"
+    assert _spec(tmp_path, connector="leasekit").kv_transfer_config(tmp_path)["kv_connector"] == "LeaseKitConnector"
+
+
+def test_leasekit_connector_has_no_push_mode_and_says_so(tmp_path):
+    with pytest.raises(ValueError, match="transfer_mode 'push' runs only vLLM's own NixlPushConnector.*fix"):
+        _spec(tmp_path, connector="leasekit", transfer_mode="push")
+    with pytest.raises(ValueError, match=r"transfer_mode must be one of \('pull', 'push'\), got 'write'"):
+        _spec(tmp_path, transfer_mode="write")
+
+
+def test_a_pair_spec_in_push_mode_starts_both_servers_in_push_mode(tmp_path):
+    spec = PairSpec(prefill_connector="stock", decode_connector="stock", transfer_mode="push", lease_duration_s=6)
+    pair = PDPair.planned(spec, tmp_path / "run")
+    for server in (pair.prefill, pair.decode):
+        command = server.command()
+        config = json.loads(command[command.index("--kv-transfer-config") + 1])
+        assert config["kv_connector"] == "NixlPushConnector"
+    assert PairSpec(transfer_mode="push").launch_key() != PairSpec().launch_key()  # a fresh pair per mode
+
+
+def test_router_sends_p_and_d_one_request_id_and_a_new_one_per_request():
+    seen: list[tuple[str, str | None]] = []
+
+    def server(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        seen.append((request.url.host, request.headers.get("x-request-id")))
+        if request.url.host == "p":
+            return httpx.Response(200, json={"kv_transfer_params": {"remote_request_id": "cmpl-x-0-1234abcd"}})
+        return httpx.Response(200, json={"choices": [{"token_ids": [1] * body["max_tokens"]}]})
+
+    router = Router("http://p", "http://d")
+    router._client = httpx.Client(transport=httpx.MockTransport(server))
+    first, second = router.generate([1, 2, 3], 2), router.generate([1, 2, 3], 2)
+    assert first.decode.ok and second.decode.ok
+    (p1, id1), (d1, id2), (p2, id3), (d2, id4) = seen
+    assert (p1, d1, p2, d2) == ("p", "d", "p", "d")
+    assert id1 == id2 == first.prefill.routing_id and id3 == id4 == second.prefill.routing_id
+    assert id1 != id3
+    assert len(new_routing_id()) == 32 and int(new_routing_id(), 16) >= 0
+
+
+def test_a_push_scenario_runs_on_the_stock_target_only():
+    from leasekit.chaos.scenario import ScenarioError, find_scenario
+    from leasekit.chaos.pool import pair_spec
+
+    push = find_scenario("kill-decode-push")
+    assert push.topology.transfer_mode == "push" and push.topology.targets == ["stock"]
+    assert pair_spec(push, "stock").transfer_mode == "push"
+    assert pair_spec(find_scenario("kill-decode"), "stock").transfer_mode == "pull"
+    data = push.model_dump()
+    data["topology"]["targets"] = ["leasekit", "stock"]
+    with pytest.raises((ScenarioError, ValueError), match=r'topology.targets.*fix: targets = \["stock"\]'):
+        type(push).model_validate(data)
+
+
+def test_chaos_list_and_results_name_the_mode(capsys):
+    from leasekit.chaos.result import ScenarioResult
+    from leasekit.cli import main
+
+    assert main(["chaos", "list", "-o", "json"]) == 0
+    modes = {row["name"]: row["mode"] for row in json.loads(capsys.readouterr().out)}
+    assert modes["kill-decode-push"] == "push" and modes["kill-decode"] == "pull"
+    assert ScenarioResult("kill-decode-push", "stock", "PASS", "PASS", "", mode="push").to_json()["mode"] == "push"
