@@ -92,6 +92,9 @@ class Scenario(Strict):
         if w.cancel_queued_fraction + w.never_decode_fraction > 1:
             raise ValueError("workload.cancel_queued_fraction + workload.never_decode_fraction must be <= 1, "
                              f"got {w.cancel_queued_fraction} + {w.never_decode_fraction}")
+        if self.topology.transfer_mode == "push" and "fail_closed" in self.expect.checks:
+            raise ValueError("expect.checks: fail_closed cannot be judged in push mode (P WRITEs into D, and a stock "
+                             "P logs no late event for a WRITE that finishes after its lease expired): remove it")
         if w.kind == "overload" and w.hold_decode_slot_s is not None:
             raise ValueError("workload.hold_decode_slot_s: an overload holds no slot for a time (the routed requests "
                              "keep D's last free slot busy): remove it, or use kind = 'queued'")

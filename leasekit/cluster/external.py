@@ -116,6 +116,9 @@ class ExternalPair:
         """Why this pair cannot stand in for ``spec`` (None if it can)."""
         if spec.prefill_connector != self.spec.prefill_connector:
             return f"the external pair runs {self.spec.prefill_connector}, the scenario wants {spec.prefill_connector}"
+        if spec.transfer_mode != self.spec.transfer_mode:
+            return (f"the scenario runs in {spec.transfer_mode} mode; an external pair is taken to run "
+                    f"{self.spec.transfer_mode} mode (NixlConnector/LeaseKitConnector)")
         if spec.decode_max_num_seqs != 1:
             return "the scenario needs D with more than one running slot; the external D is assumed to run --max-num-seqs 1"
         if float(spec.lease_duration_s) != float(self.spec.lease_duration_s):

@@ -64,6 +64,13 @@ class PairSpec:
     deployment: PairFile | None = None
     transfer_mode: str = "pull"
 
+    def __post_init__(self) -> None:
+        if self.transfer_mode not in ("pull", "push"):
+            raise ValueError(f"transfer_mode must be 'pull' or 'push', got {self.transfer_mode!r}")
+        if self.transfer_mode == "push" and "leasekit" in (self.prefill_connector, self.decode_connector):
+            raise ValueError("transfer_mode 'push' runs only vLLM's own NixlPushConnector: LeaseKit has no push connector "
+                             "yet; fix: prefill_connector = decode_connector = 'stock', or transfer_mode = 'pull'")
+
     def launch_key(self) -> tuple:
         """Everything that needs a fresh pair when it changes (hashable: the deployment as its JSON)."""
         return tuple(self.deployment.model_dump_json() if f.name == "deployment" and self.deployment is not None

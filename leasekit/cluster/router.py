@@ -8,7 +8,8 @@ both P and D: vLLM builds each side's internal request id from it (``cmpl-<X-Req
 and push mode (``NixlPushConnector``) needs that: P matches D's ``PUSH_REG`` registration to its
 finished prefill by that id with the random suffix stripped (vllm ``nixl/push_worker.py``:
 ``_pop_matching_registration``, ``nixl/utils.py``: ``get_base_request_id``); without a shared id the
-WRITE never starts and D waits forever. Pull mode does not need it and is not changed by it.
+WRITE never starts and D waits until the client gives up. Pull mode does not need it; there it only
+makes P's and D's request ids share the prefix ``cmpl-<X-Request-Id>-0-``.
 
 Like a proxy instrumented with OpenTelemetry, the router starts one W3C trace per routed request and
 sends its ``traceparent`` to both P and D, so vLLM's request spans and LeaseKit's lease spans on both
@@ -144,7 +145,8 @@ class Router:
     def decode(self, prompt: list[int], kv_transfer_params: dict[str, Any] | None, max_tokens: int,
                *, timeout_s: float | None = None, traceparent: str | None = None,
                routing_id: str | None = None) -> DecodeResult:
-        """Decode ``max_tokens`` tokens on D, reading the prompt's KV blocks from P.
+        """Decode ``max_tokens`` tokens on D, with the prompt's KV blocks from P (D reads them in pull
+        mode; P writes them into D in push mode).
 
         ``timeout_s``: give up (disconnect; vLLM then aborts the request) after this many seconds.
         ``traceparent``: the W3C trace context to send (the prefill's, to join one trace).

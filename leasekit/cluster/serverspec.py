@@ -33,7 +33,8 @@ class ServerSpec:
     Attributes:
         name: label used for the log file and reports (e.g. ``"prefill"``).
         role: ``prefill`` (kv_producer) or ``decode`` (kv_consumer).
-        connector: ``leasekit`` (LeaseKitConnector) or ``stock`` (vLLM's NixlConnector).
+        connector: ``leasekit`` (LeaseKitConnector) or ``stock`` (vLLM's NixlConnector, or its
+            NixlPushConnector when ``transfer_mode`` is ``push``).
         model_dir: directory holding the model ``config.json``, or a Hugging Face model id.
         lease_duration_s: ``kv_lease_duration`` in seconds.
         cpu: core (or tuple of cores) to pin the whole server to; None leaves it unpinned.
@@ -55,8 +56,9 @@ class ServerSpec:
             tensor_parallel_size (given always on cuda): vLLM's flags; None leaves one out (vLLM's
             default, for a real model); the defaults are the tiny model's (``dummy``, no tokenizer, float32).
         cuda_visible_devices: GPU indices for ``CUDA_VISIBLE_DEVICES`` (None: inherited); kv_buffer_device:
-            the kv-transfer-config's (``cpu``/``cuda``; None: vLLM's); side_channel_host: the address D dials
-            for P's NIXL handshake (``VLLM_NIXL_SIDE_CHANNEL_HOST``).
+            the kv-transfer-config's (``cpu``/``cuda``; None: vLLM's); side_channel_host: this server's NIXL
+            side-channel address (``VLLM_NIXL_SIDE_CHANNEL_HOST``): D dials P's for the handshake, and in
+            push mode P dials D's (sent in D's ``PUSH_REG``) before it WRITEs.
     """
 
     name: str

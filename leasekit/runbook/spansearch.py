@@ -114,20 +114,30 @@ class RequestMatch:
 
 
 def match_request(spans: list[SpanRecord], query: str) -> RequestMatch:
-    """Resolve ``query`` to one request id: an exact match first, else a unique prefix of one.
+    """Resolve ``query`` to one request id: an exact match first, else a unique prefix of one, else,
+    among the ids the prefix matches, the one lease key (``gen_ai.request.id``): leasekit's router
+    sends P and D one ``X-Request-Id``, so P's request id and D's own (``cmpl-<X-Request-Id>-0-<8 hex>``
+    each) share every prefix up to the random suffix, and the client-visible ``cmpl-<X-Request-Id>``
+    names P's lease.
 
     Returns:
         A :class:`RequestMatch`; ``request_id`` is None when nothing matches or the prefix is
         ambiguous (then ``candidates`` lists the ids it matches).
     """
     known: set[str] = set()
+    lease_keys: set[str] = set()
     for span in spans:
         known |= request_ids_of(span)
+        if isinstance(key := span.attributes.get(sc.REQUEST_ID), str):
+            lease_keys.add(key)
     if query in known:
         return RequestMatch(query, "exact")
     candidates = tuple(sorted(i for i in known if i.startswith(query))) if query else ()
     if len(candidates) == 1:
         return RequestMatch(candidates[0], "prefix")
+    keyed = [i for i in candidates if i in lease_keys]
+    if len(keyed) == 1:
+        return RequestMatch(keyed[0], "prefix")
     return RequestMatch(None, None, candidates)
 
 

@@ -21,8 +21,10 @@ GRANT_LOGGER = f"{_NIXL}.pull_scheduler"
 """Logger of the grant line (``init_logger(__name__)`` in ``nixl/pull_scheduler.py``)."""
 
 PUSH_GRANT_LOGGER = f"{_NIXL}.push_scheduler"
-"""Logger of push mode's grant line (``nixl/push_scheduler.py``, vLLM's NixlPushConnector); it also logs,
-at DEBUG, one line per finished or newly allocated push request (none per step)."""
+"""Logger of push mode's grant line (``nixl/push_scheduler.py``, vLLM's NixlPushConnector). At DEBUG it
+also logs a few lines per push request, each with its ``kv_transfer_params``, and one per scheduling
+attempt of a request waiting for KV blocks (``get_num_new_matched_tokens``): more than pull mode's
+grant logger, still per request, not per idle step."""
 
 WORKER_LOGGER = f"{_NIXL}.base_worker"
 """Logger of the heartbeat and expiry lines (``nixl/base_worker.py``)."""

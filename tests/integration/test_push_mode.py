@@ -33,7 +33,8 @@ pytestmark = pytest.mark.pair
 L = 6
 TOKENS = 8
 SPEC = PairSpec.pinned(prefill_connector="stock", decode_connector="stock", transfer_mode="push", lease_duration_s=L,
-                       lease_logging=True)  # P's lease lines at DEBUG: the evidence of a stock P
+                       lease_logging=True,  # P's lease lines at DEBUG: the evidence of a stock P
+                       decode_kv_load_failure_policy="fail")  # a failed push is an error, never recomputed by D
 PREFETCH_PAIRS = [SPEC]
 """Started ahead in the background (tests/prefetch.py)."""
 
@@ -67,6 +68,14 @@ def test_pushed_kv_blocks_give_the_tokens_of_a_local_prefill(push_pair):
         assert routed.prefill.kv_transfer_params["transfer_mode"] == "push"
         assert routed.decode is not None and routed.decode.ok, routed.decode and routed.decode.error
         assert routed.decode.token_ids == local_generation(push_pair, prompt, TOKENS)
+        # P freed the blocks because its WRITE completed, not because the lease ran out
+        rid = routed.prefill.request_id
+        deadline = time.monotonic() + 10
+        while (f"Finished sending KV transfer for request {rid}\n" not in (log := push_pair.prefill.log_path.read_text(errors="replace"))
+               and time.monotonic() < deadline):
+            time.sleep(0.2)
+        assert f"Finished sending KV transfer for request {rid}\n" in log
+        assert f"Releasing expired KV blocks for request {rid} " not in log
 
 
 def test_without_a_shared_request_id_p_never_pushes(push_pair):
@@ -91,11 +100,10 @@ def test_without_a_shared_request_id_p_never_pushes(push_pair):
     assert again.decode is not None and again.decode.ok
 
 
-
 def test_stock_p_dials_the_address_a_strangers_push_reg_names(push_pair):
     """vLLM's push mode takes a ``PUSH_REG`` as an identity: any NIXL peer that handshaked with P and
-    knows a finished prefill's request id (a claim: vLLM builds it from the client's ``X-Request-Id``)
-    names its own engine, address and block ids, and P's writer dials that address to WRITE the
+    knows a finished prefill's ``X-Request-Id`` (P matches ``cmpl-<X-Request-Id>-0`` with the random
+    suffix stripped on both sides, so the suffix protects nothing) names its own engine, address and block ids, and P's writer dials that address to WRITE the
     prompt's KV blocks there (``push_worker.py``: ``_handle_push_reg_notif`` -> ``_do_start_push_kv``
     -> ``_ensure_handshake``). This pins the stock behaviour a LeaseKit push connector must refuse."""
     prefill = push_pair.router.prefill(push_pair.prompt(40))  # finished on P; D is never asked
@@ -107,7 +115,7 @@ def test_stock_p_dials_the_address_a_strangers_push_reg_names(push_pair):
         trap.settimeout(L)
         agent = stranger.handshake("127.0.0.1", push_pair.prefill.side_channel_port)
         registration = {
-            "request_id": prefill.request_id, "decode_engine_id": f"stranger-{uuid.uuid4()}",
+            "request_id": f"cmpl-{prefill.routing_id}-0", "decode_engine_id": f"stranger-{uuid.uuid4()}",
             "decode_host": "127.0.0.2", "decode_port": trap.getsockname()[1], "decode_tp_size": 1,
             "local_block_ids": [[1]], "remote_engine_id": params["remote_engine_id"],
             "remote_host": params["remote_host"], "remote_port": params["remote_port"],

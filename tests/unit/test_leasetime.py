@@ -180,7 +180,7 @@ def test_catalog_at_l6_keeps_its_seconds(name):
     assert {path: value(s, path) for path in L6_SECONDS[name]} == L6_SECONDS[name]
 
 
-SCALED = sorted(L6_SECONDS) + ["kill-decode", "kill-decode-p-idle", "overload-queue"]
+SCALED = sorted(L6_SECONDS) + ["kill-decode", "kill-decode-p-idle", "kill-decode-push", "overload-queue"]
 """The scenarios whose meaning at any L the rules below pin (files added later carry their own tests)."""
 
 

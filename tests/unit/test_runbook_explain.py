@@ -43,7 +43,7 @@ class Worker:
         self.provider.shutdown()
 
 
-def released_pair(run_dir, req="req-released-1"):
+def released_pair(run_dir, req="req-released-1", decode_id="cmpl-d-77"):
     """A request served by 2 P ranks, heartbeated by D, read and released on both ranks."""
     for rank in (0, 1):
         w = Worker(run_dir, rank=rank)
@@ -53,7 +53,7 @@ def released_pair(run_dir, req="req-released-1"):
         assert w.rec.release(req, now=101.5)
         w.close()
     d = Worker(run_dir, engine="D0", role="kv_consumer", decode=True)
-    assert d.rec.track(req, remote_engine_id="P0", decode_request_id="cmpl-d-77", now=50.0)
+    assert d.rec.track(req, remote_engine_id="P0", decode_request_id=decode_id, now=50.0)
     assert d.rec.sent([req], now=51.0) == 1
     assert d.rec.untrack(req, "read done", now=51.6)
     d.close()
@@ -174,6 +174,17 @@ def test_prefix_match_when_unique_and_refused_when_ambiguous(tmp_path, capsys, m
     assert run_cli(["explain", "cmpl-ab"]) == 1
     err = capsys.readouterr().err
     assert "matches 2 requests (cmpl-abc123-0, cmpl-abd999-0)" in err
+
+
+def test_a_prefix_shared_by_ps_and_ds_request_ids_names_ps_lease(tmp_path, capsys):
+    # the router sends P and D one X-Request-Id: vLLM makes cmpl-<id>-0-<8 hex> of it on each side
+    released_pair(tmp_path, "cmpl-x1-0-aaaaaaaa", decode_id="cmpl-x1-0-bbbbbbbb")
+    released_pair(tmp_path, "cmpl-x2-0-cccccccc", decode_id="cmpl-x2-0-dddddddd")
+    assert run_cli(["explain", "cmpl-x1", "--run-dir", str(tmp_path), "-o", "json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["request_id"] == "cmpl-x1-0-aaaaaaaa" and report["matched_by"] == "prefix"
+    assert run_cli(["explain", "cmpl-x", "--run-dir", str(tmp_path)]) == 1  # two leases: still ambiguous
+    assert "matches 4 requests" in capsys.readouterr().err
 
 
 def test_torn_last_line_is_skipped_and_counted(tmp_path, capsys):

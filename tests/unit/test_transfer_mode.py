@@ -38,7 +38,12 @@ def test_a_pair_spec_in_push_mode_starts_both_servers_in_push_mode(tmp_path):
         command = server.command()
         config = json.loads(command[command.index("--kv-transfer-config") + 1])
         assert config["kv_connector"] == "NixlPushConnector"
-    assert PairSpec(transfer_mode="push").launch_key() != PairSpec().launch_key()  # a fresh pair per mode
+    stock = dict(prefill_connector="stock", decode_connector="stock")
+    assert PairSpec(transfer_mode="push", **stock).launch_key() != PairSpec(**stock).launch_key()  # a fresh pair per mode
+    with pytest.raises(ValueError, match="fix: prefill_connector = decode_connector = 'stock'"):
+        PairSpec(transfer_mode="push")  # LeaseKit's connectors are pull only
+    with pytest.raises(ValueError, match="transfer_mode must be 'pull' or 'push', got 'PUSH'"):
+        PairSpec(transfer_mode="PUSH", **stock)
 
 
 def test_router_sends_p_and_d_one_request_id_and_a_new_one_per_request():
@@ -84,3 +89,17 @@ def test_chaos_list_and_results_name_the_mode(capsys):
     modes = {row["name"]: row["mode"] for row in json.loads(capsys.readouterr().out)}
     assert modes["kill-decode-push"] == "push" and modes["kill-decode"] == "pull"
     assert ScenarioResult("kill-decode-push", "stock", "PASS", "PASS", "", mode="push").to_json()["mode"] == "push"
+
+
+def test_push_scenarios_refuse_fail_closed_and_external_pairs_refuse_push():
+    from leasekit.chaos.scenario import ScenarioError, find_scenario
+    from leasekit.cluster.external import ExternalPair
+
+    push = find_scenario("kill-decode-push")
+    data = push.model_dump()
+    data["expect"]["checks"] = ["bounded_reclaim", "fail_closed"]
+    with pytest.raises((ScenarioError, ValueError), match="expect.checks: fail_closed cannot be judged in push mode"):
+        type(push).model_validate(data)
+    external = ExternalPair("http://127.0.0.1:1", "http://127.0.0.1:2", "/nonexistent", target="stock", lease_duration_s=6)
+    spec = PairSpec(prefill_connector="stock", decode_connector="stock", transfer_mode="push", lease_duration_s=6)
+    assert "push mode" in external.matches(spec)

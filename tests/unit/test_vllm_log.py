@@ -27,6 +27,7 @@ from leasekit.telemetry.vllm_logconfig import (
     DEFAULT_DEBUG_LOGGERS,
     GRANT_LOGGER,
     PULL_WORKER_LOGGER,
+    PUSH_GRANT_LOGGER,
     RELEASE_LOGGER,
     WORKER_LOGGER,
     write_logging_config,
@@ -43,6 +44,8 @@ T0 = 1_790_000_000.0  # epoch seconds of the first grant
 # (vllm file, logger, a substring of the format string)
 GRANT = (f"{NIXL}/pull_scheduler.py", GRANT_LOGGER, "waiting for %d seconds")
 FINISHED_DBG = (f"{NIXL}/pull_scheduler.py", GRANT_LOGGER, "request_status=%s")
+PUSH_GRANT = (f"{NIXL}/push_scheduler.py", PUSH_GRANT_LOGGER, "waiting for %d seconds")
+PUSH_FINISHED_DBG = (f"{NIXL}/push_scheduler.py", PUSH_GRANT_LOGGER, "request_status=%s")
 HEARTBEAT = (f"{NIXL}/base_worker.py", WORKER_LOGGER, "Heartbeat extended lease")
 EXPIRE = (f"{NIXL}/base_worker.py", WORKER_LOGGER, "Releasing expired KV blocks")
 LATE = (f"{NIXL}/pull_worker.py", PULL_WORKER_LOGGER, "Potentially invalid KV blocks")
@@ -173,9 +176,16 @@ def mismatch_scenario() -> list[dict]:
     return [rec(GRANT, ["M", 30], 0.0, *E), rec(HEARTBEAT, ["M", 20, 30.0, 21.0], 1.0, *W), rec(FREED, ["M"], 2.0, *E)]
 
 
+def push_scenario() -> list[dict]:
+    """Push mode (vLLM's NixlPushConnector): P1 granted, heartbeated, freed when its WRITE is done."""
+    return [rec(PUSH_FINISHED_DBG, ["P1", "FINISHED_LENGTH_CAPPED", {"do_remote_decode": True}], 0.0, *E),
+            rec(PUSH_GRANT, ["P1", 6], 0.0005, *E), rec(HEARTBEAT, ["P1", 4, 6.0, 5.0], 1.0, *W),
+            rec(FREED, ["P1"], 1.5, *E)]
+
+
 @pytest.fixture(scope="module")
 def logs(tmp_path_factory):
-    scenarios = {"main": main_scenario(), "tp2": tp2_scenario(), "mismatch": mismatch_scenario()}
+    scenarios = {"main": main_scenario(), "tp2": tp2_scenario(), "mismatch": mismatch_scenario(), "push": push_scenario()}
     probe = [*DEFAULT_DEBUG_LOGGERS, "vllm", "vllm.v1.engine.core", "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler"]
     text, levels = emit(tmp_path_factory.mktemp("vllm_log"), scenarios, probe)
     return text, levels
@@ -332,12 +342,12 @@ def test_regrant_and_empty_input():
     assert [t.grant_s for t in result.open_leases] == [10.0, 11.0]
 
 
-def test_push_mode_grant_line_is_a_grant():
-    # vLLM's NixlPushConnector logs the grant from push_scheduler.py with its own class name
-    head = "(EngineCore pid=1) DEBUG 01-01 00:00:00.000 t={t:.6f} vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler [push_scheduler.py:252] "
-    grant = head + "NixlPushConnector request_finished(P1) waiting for 6 seconds before releasing blocks"
-    other = head + "NixlPushConnector request_finished(P1), request_status=FINISHED_LENGTH_CAPPED, kv_transfer_params=None"
-    result = parse_stock_lease_log([other.format(t=9.0), grant.format(t=10.0)], lease_duration_s=6, extension_s=4)
-    (lease,) = result.open_leases
-    assert (lease.request_id, lease.grant_s) == ("P1", 10.0)
-    assert result.bad_lines == 0
+
+def test_push_mode_grant_line_is_a_grant(logs):
+    # vLLM's NixlPushConnector logs the grant from push_scheduler.py (at DEBUG, which the config turns on)
+    text, levels = logs
+    assert levels[PUSH_GRANT_LOGGER] == 10  # DEBUG
+    result = parse_stock_lease_log(text["push"], lease_duration_s=6, extension_s=4)
+    (lease,) = result.leases
+    assert (lease.request_id, lease.grant_s, lease.heartbeat_count) == ("P1", T0 + 0.0005, 1)
+    assert lease.end_s == T0 + 1.5 and result.bad_lines == 0
