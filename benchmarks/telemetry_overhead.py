@@ -34,6 +34,10 @@ Run (take the pair lock: other engineers run pairs on this host too)::
 
     flock /tmp/leasekit-pair.lock .venv/bin/python benchmarks/telemetry_overhead.py \\
         [--requests N] [--rounds R] [--concurrency C] [--lease-duration L] [--run-dir DIR] [-o table|json]
+        [--transfer-mode pull|push]
+
+``--transfer-mode push`` runs both pairs in push mode (P WRITEs into D): LeaseKitPushConnector against vLLM's
+NixlPushConnector, same workload and verdicts.
 
 Writes ``<run dir>/telemetry_overhead.json``. Exit code 0 when the run completed (whatever the
 verdict), 1 when it could not run (a pair did not start, requests failed to route), 130/143 on
@@ -79,6 +83,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="queue phases: how long requests wait in D's queue, in heartbeat intervals H (default 1,6)")
     ap.add_argument("--queue-requests", type=int, default=10, help="requests per queue phase (default 10)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--transfer-mode", choices=["pull", "push"], default="pull",
+                    help="pull: LeaseKitConnector vs NixlConnector; push: LeaseKitPushConnector vs NixlPushConnector")
     ap.add_argument("--start-timeout", type=float, default=300.0)
     args = ap.parse_args(argv)
     try:

@@ -75,7 +75,8 @@ def make_pairs(args, run_dir: Path) -> dict[str, Any]:
     """The two (not yet launched) ``PDPair``\\ s, ``{"stock": ..., "leasekit": ...}``, with the same
     connector on both sides, logs and spans under ``<run_dir>/<target>-pair``, and every server's
     HTTP and side-channel port fixed (:func:`fixed_ports`). ``args`` are the command's options
-    (``lease_duration`` and ``start_timeout`` in seconds, ``decode_max_seqs``).
+    (``lease_duration`` and ``start_timeout`` in seconds, ``decode_max_seqs``, ``transfer_mode``: ``pull`` compares
+    LeaseKitConnector with NixlConnector, ``push`` LeaseKitPushConnector with NixlPushConnector).
 
     Raises:
         HarnessError: no free ports.
@@ -85,7 +86,8 @@ def make_pairs(args, run_dir: Path) -> dict[str, Any]:
     pairs = {}
     for name in TARGETS:
         spec = PairSpec.pinned(prefill_connector=name, decode_connector=name, lease_duration_s=args.lease_duration,
-                               decode_max_num_seqs=args.decode_max_seqs)
+                               decode_max_num_seqs=args.decode_max_seqs,
+                               transfer_mode=getattr(args, "transfer_mode", "pull"))
         pairs[name] = PDPair(spec, run_dir / f"{name}-pair", start_timeout_s=args.start_timeout)
     ports = iter(fixed_ports(4 * len(pairs)))
     for p in pairs.values():

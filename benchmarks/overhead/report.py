@@ -56,7 +56,9 @@ def format_table(doc: dict[str, Any]) -> str:
     c, s, r = doc["config"], doc["summary"], doc["ratios"]
     lt = doc["lease_timing"]
     lines = [
-        "telemetry overhead: LeaseKitConnector vs stock NixlConnector (both sides), real vLLM P/D pairs on CPU",
+        ("telemetry overhead: LeaseKitPushConnector vs stock NixlPushConnector (both sides, push mode)"
+         if c.get("transfer_mode") == "push" else
+         "telemetry overhead: LeaseKitConnector vs stock NixlConnector (both sides)") + ", real vLLM P/D pairs on CPU",
         (f"{c['rounds']} rounds x {c['requests']} requests per target, {c['concurrency']} concurrent clients, "
          f"prompt {c['prompt_tokens']} tokens, {c['max_tokens']} generated; L={lt['L_s']:g} s (H={lt['H_s']:g} s, "
          f"E={lt['E_s']:g} s); D max-num-seqs {c['decode_max_seqs']}; order A B B A (A=stock)"),

@@ -139,7 +139,7 @@ def queued_phase(target: Target, hold_s: float, requests: int, prompt_len: int, 
     def decode_one(index, p, prefill):
         # as Router.generate does: D joins the prefill's trace where the router makes one
         trace = {"traceparent": prefill.traceparent} if getattr(prefill, "traceparent", None) else {}
-        r = router.decode(p, prefill.kv_transfer_params, max_tokens, **trace)
+        r = router.decode(p, prefill.kv_transfer_params, max_tokens, routing_id=prefill.routing_id, **trace)
         with lock:
             results[index] = r
 

@@ -43,19 +43,12 @@ class LeaseSection(Strict):
 
 class TopologySection(Strict):
     """``[topology]``: D's running-slot limit, which targets the scenario runs against, and the NIXL
-    transfer mode: ``pull`` (D reads P's KV blocks) or ``push`` (P writes them into D: vLLM's
-    ``NixlPushConnector``, which only the ``stock`` target runs; LeaseKit has no push connector yet)."""
+    transfer mode: ``pull`` (D reads P's KV blocks) or ``push`` (P writes them into D: LeaseKitPushConnector on
+    the ``leasekit`` target, vLLM's ``NixlPushConnector`` on ``stock``)."""
 
     decode_max_num_seqs: int = Field(1, ge=1, le=256)
     targets: list[Literal["leasekit", "stock"]] = Field(default_factory=lambda: list(TARGETS), min_length=1)
     transfer_mode: Literal["pull", "push"] = "pull"
-
-    @model_validator(mode="after")
-    def _push_targets(self) -> "TopologySection":
-        if self.transfer_mode == "push" and "leasekit" in self.targets:
-            raise ValueError('topology.targets: transfer_mode "push" runs only on the "stock" target (vLLM\'s '
-                             'NixlPushConnector; LeaseKit has no push connector yet); fix: targets = ["stock"]')
-        return self
 
 
 class LaunchSection(Strict):

@@ -37,7 +37,8 @@ class PairSpec:
     and LeaseKit P's grant pledge in seconds (``leasekit_pledge_s``; None keeps the connector's default),
     and the deployment (a pair file, :mod:`leasekit.cluster.pairfile`: hosts, devices, model, TP, ports;
     None is the CPU default, which an empty pair file describes too), and the NIXL transfer mode
-    (``pull``, or ``push``: vLLM's NixlPushConnector, stock connectors only)."""
+    (``pull``, or ``push``: LeaseKitPushConnector for a ``leasekit`` connector, vLLM's NixlPushConnector for
+    ``stock``)."""
 
     prefill_connector: str = "leasekit"
     decode_connector: str = "leasekit"
@@ -67,9 +68,6 @@ class PairSpec:
     def __post_init__(self) -> None:
         if self.transfer_mode not in ("pull", "push"):
             raise ValueError(f"transfer_mode must be 'pull' or 'push', got {self.transfer_mode!r}")
-        if self.transfer_mode == "push" and "leasekit" in (self.prefill_connector, self.decode_connector):
-            raise ValueError("transfer_mode 'push' runs only vLLM's own NixlPushConnector: LeaseKit has no push connector "
-                             "yet; fix: prefill_connector = decode_connector = 'stock', or transfer_mode = 'pull'")
 
     def launch_key(self) -> tuple:
         """Everything that needs a fresh pair when it changes (hashable: the deployment as its JSON)."""

@@ -14,6 +14,7 @@ from leasekit.vllm import (
     CONNECTOR_MODULE_PATH,
     CONNECTOR_NAME,
     STOCK_CONNECTOR_NAME,
+    PUSH_CONNECTOR_NAME,
     STOCK_PUSH_CONNECTOR_NAME,
     TRANSFER_MODES,
 )
@@ -33,8 +34,8 @@ class ServerSpec:
     Attributes:
         name: label used for the log file and reports (e.g. ``"prefill"``).
         role: ``prefill`` (kv_producer) or ``decode`` (kv_consumer).
-        connector: ``leasekit`` (LeaseKitConnector) or ``stock`` (vLLM's NixlConnector, or its
-            NixlPushConnector when ``transfer_mode`` is ``push``).
+        connector: ``leasekit`` (LeaseKitConnector, or LeaseKitPushConnector when ``transfer_mode`` is ``push``) or
+            ``stock`` (vLLM's NixlConnector, or its NixlPushConnector in push mode).
         model_dir: directory holding the model ``config.json``, or a Hugging Face model id.
         lease_duration_s: ``kv_lease_duration`` in seconds.
         cpu: core (or tuple of cores) to pin the whole server to; None leaves it unpinned.
@@ -99,9 +100,6 @@ class ServerSpec:
             raise ValueError(f"kv_load_failure_policy must be 'recompute', 'fail' or None, got {self.kv_load_failure_policy!r}")
         if self.transfer_mode not in TRANSFER_MODES:
             raise ValueError(f"transfer_mode must be one of {TRANSFER_MODES}, got {self.transfer_mode!r}")
-        if self.transfer_mode == "push" and self.connector == "leasekit":
-            raise ValueError("transfer_mode 'push' runs only vLLM's own NixlPushConnector (connector 'stock'): LeaseKit has "
-                             "no push connector yet; fix: connector='stock', or transfer_mode='pull'")
         for name, allowed in (("device", ("cpu", "cuda")), ("kv_buffer_device", (None, "cpu", "cuda"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -113,8 +111,9 @@ class ServerSpec:
     def kv_transfer_config(self, run_dir: Path) -> dict:
         """The ``--kv-transfer-config`` JSON object for this server."""
         config: dict = {
-            "kv_connector": (CONNECTOR_NAME if self.connector == "leasekit"
-                             else STOCK_PUSH_CONNECTOR_NAME if self.transfer_mode == "push" else STOCK_CONNECTOR_NAME),
+            "kv_connector": {("leasekit", "pull"): CONNECTOR_NAME, ("leasekit", "push"): PUSH_CONNECTOR_NAME,
+                             ("stock", "pull"): STOCK_CONNECTOR_NAME,
+                             ("stock", "push"): STOCK_PUSH_CONNECTOR_NAME}[(self.connector, self.transfer_mode)],
             "kv_role": KV_ROLES[self.role],
             "kv_connector_extra_config": {"kv_lease_duration": self.lease_duration_s},
         }

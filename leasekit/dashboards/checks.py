@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from leasekit.dashboards.promql import PromQLError, parse_names, unknown_functions, variable_query_metrics
-from leasekit.telemetry.metrics import LEASEKIT_METRICS, VLLM_ENGINE_LABELS, VLLM_NIXL_METRICS, exported_series_names
+from leasekit.telemetry.metrics import LEASEKIT_METRICS, MODE_LABEL, VLLM_ENGINE_LABELS, VLLM_NIXL_METRICS, exported_series_names
 
 PROMETHEUS_SERIES = frozenset({"up", "ALERTS", "ALERTS_FOR_STATE"})
 """Series Prometheus itself writes, allowed in any expression."""
@@ -28,9 +28,9 @@ TARGET_LABELS = ("job", "instance")
 
 def series_labels() -> dict[str, frozenset[str]]:
     """``{series name: label names it carries}`` for every exported series and ``up``: vLLM's
-    engine labels, the catalog's labels, :data:`TARGET_LABELS`, and ``le`` on ``*_bucket``."""
+    engine labels, ``mode`` on LeaseKit's, the catalog's labels, :data:`TARGET_LABELS`, and ``le`` on ``*_bucket``."""
     base = frozenset(VLLM_ENGINE_LABELS + TARGET_LABELS)
-    families = [(s.name, s.kind, frozenset(s.labels)) for s in LEASEKIT_METRICS]
+    families = [(s.name, s.kind, frozenset(s.labels) | {MODE_LABEL}) for s in LEASEKIT_METRICS]
     families += [(name, kind, frozenset()) for name, kind in VLLM_NIXL_METRICS.items()]
     out = {"up": frozenset(TARGET_LABELS)}
     for name, kind, labels in families:

@@ -40,6 +40,7 @@ from leasekit.telemetry import semconv as sc
 from leasekit.telemetry.lease_events import LeaseEvent, LeaseObserver
 from leasekit.telemetry.peers import Peer, PeerTable
 from leasekit.telemetry.span_builder import SpanBuilder
+from leasekit.telemetry.late_spans import LateSpans
 from leasekit.telemetry.tracecontext import parent_context
 
 MAX_RETRIEVAL_EVENTS = 8
@@ -64,7 +65,7 @@ class _OpenLease:
     extra: tuple = ()  # annotate(): (key, value, key, value, ...)
 
 
-class LeaseSpanRecorder:
+class LeaseSpanRecorder(LateSpans):
     """Turns the lease transitions of one P worker into spans.
 
     Every method is O(1), never raises for an unknown request id (it returns False and records
@@ -262,32 +263,6 @@ class LeaseSpanRecorder:
     def abort(self, req_id: str, reason: str, *, now: float | None = None) -> bool:
         """End the lease with outcome ``aborted`` (freed neither by release nor expiry). False if unknown."""
         return self._end(req_id, sc.OUTCOME_ABORTED, sc.EVENT_ABORT, now, reason=reason)
-
-    def late_read(self, req_id: str, *, remote_agent: str | None = None, now: float | None = None,
-                  fail_closed: bool | None = None) -> bool:
-        """Record a read completion of ``remote_agent`` (recorded as its peer reference) for a lease that
-        already ended (a zero-length ``kv_lease_late_read`` span; ``fail_closed``: the reading D discards the
-        read, see :attr:`LeaseEvent.fail_closed`). False (nothing recorded) if ``req_id`` is open or unknown."""
-        ended = self._ended.get(req_id)
-        if ended is None or req_id in self._open:
-            return False
-        now = self._clock() if now is None else now
-        outcome, end_s = ended
-        attributes = {sc.REQUEST_ID: req_id, sc.ENGINE_ID: self._engine_id, sc.TP_RANK: self._tp_rank,
-                      sc.ENDED_OUTCOME: outcome, sc.END_MONOTONIC_S: end_s, sc.EV_MONOTONIC_S: now,
-                      sc.LATE_BY_S: now - end_s}
-        ref = peer_ref(remote_agent) if remote_agent else None
-        if ref:
-            attributes[sc.REMOTE_AGENT] = ref
-        if fail_closed is not None:
-            attributes[sc.D_FAIL_CLOSED] = fail_closed
-        self._spans.submit(partial(self._late_span, attributes, time.time_ns()))
-        self._emit(ev.LATE_READ, req_id, now, remote_agent=ref, outcome=outcome, late_by_s=now - end_s,
-                   fail_closed=fail_closed)
-        return True
-
-    def _late_span(self, attributes: dict[str, Any], at_ns: int) -> None:
-        self._tracer.start_span(sc.LATE_READ_SPAN_NAME, attributes=attributes, start_time=at_ns).end(end_time=at_ns)
 
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until every ended lease's span has been built and ended (handed to the span processors);

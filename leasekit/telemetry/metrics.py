@@ -10,7 +10,8 @@ So the metrics appear on the ``/metrics`` endpoint of the same vLLM server users
 next to vLLM's own ``vllm:nixl_*`` metrics (:data:`VLLM_NIXL_METRICS`, untouched).
 
 Every metric carries vLLM's per-engine labels ``model_name`` and ``engine`` (the engine index
-inside one server) plus the labels listed here. Counters say in their help text whether they count
+inside one server), then ``mode`` (:data:`MODE_LABEL`: ``pull`` or ``push``, the server's transfer mode), plus the
+labels listed here. Counters say in their help text whether they count
 per request or per TP rank (docs/lease-model.md invariant 9). All times are seconds.
 
 Bounded labels only: ``tp_rank``, ``kv_role`` and closed sets of values declared here (cause, peer
@@ -29,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from leasekit.lease.codec import DECODE_ERROR_REASONS
+from leasekit.lease.pushreg import DROP_REASONS as _PUSH_REG_DROP_REASONS
 from leasekit.telemetry import lease_events as _ev
 from leasekit.lease.readgate import READ_OUTCOMES as _READ_OUTCOMES, READ_PROOFS as _READ_PROOFS
 
@@ -36,6 +38,17 @@ VLLM_ENGINE_LABELS = ("model_name", "engine")
 """The labels vLLM puts on every per-engine metric (``vllm/v1/metrics/loggers.py``)."""
 
 PREFIX = "leasekit_kv_lease_"
+
+MODE_LABEL = "mode"
+"""The label every LeaseKit metric carries after vLLM's: the server's NIXL transfer mode."""
+TRANSFER_MODES = ("pull", "push")
+"""``mode`` label values: ``pull`` (LeaseKitConnector: D READs P's KV blocks) and ``push``
+(LeaseKitPushConnector: P WRITEs them into D's)."""
+PUSH_WRITE_OUTCOMES = ("issued", "done", "failed", "late")
+"""``outcome`` label values of :data:`PUSH_WRITES_METRIC`: ``issued`` (P's writer submitted the WRITEs of a lease),
+``done`` (all of them finished while the lease was held: the lease was released), ``failed`` (NIXL reported one
+failed: the lease is held until it expires), ``late`` (they finished after the lease had expired: P had freed the
+source blocks, D may hold reused data)."""
 
 EXPIRY_CAUSES = ("no_heartbeat", "heartbeat_lapsed", "max_hold")
 """``cause`` label values of expiries: ``no_heartbeat``: the lease expired without one delivered
@@ -52,7 +65,7 @@ off), ``unknown`` (P never heard from a D about the lease)."""
 NOTIFICATION_DROP_REASONS = DECODE_ERROR_REASONS + (
     "unknown_id", "duplicate", "foreign_heartbeat", "foreign_completion", "bad_hello", "internal_error",
     "unproven_heartbeat", "unproven_completion", "unproven_hello", "hello_not_allowed", "bad_heartbeat_id",
-)
+) + _PUSH_REG_DROP_REASONS + ("push_completion",)
 """``reason`` label values of :data:`NOTIFICATIONS_DROPPED`: the codec's refusals
 (:data:`leasekit.lease.codec.DECODE_ERROR_REASONS`, ``bad_protocol`` for a malformed ``LK1:`` message
 among them), then ``bad_hello`` (a LeaseKit hello whose NIXL agent metadata was refused or names another
@@ -64,7 +77,10 @@ was dropped instead of crashing P's engine); ``unproven_heartbeat`` / ``unproven
 or a wrong tag for a lease bound by proof, or a plain completion held in its claim window and voided when the
 lease was proven, docs/security.md), ``unproven_hello`` (a hello that proves no lease this P granted: P opens no
 connection), ``hello_not_allowed`` (a proven hello naming an address P does not allow) and ``bad_heartbeat_id``
-(one junk id of a heartbeat, counted per id: the others were handled)."""
+(one junk id of a heartbeat, counted per id: the others were handled); push mode adds the registration refusals
+of :data:`leasekit.lease.pushreg.DROP_REASONS` (``bad_push_reg``, ``push_reg_oversized``, ``push_reg_unknown_id``,
+``push_reg_not_allowed``, ``push_reg_repeat``, ``push_reg_overflow``) and ``push_completion`` (a read completion
+sent to a push-mode P, which frees only on its own WRITEs)."""
 PROOF_KINDS = ("proven", "plain")
 """``proof`` label values of :data:`BINDINGS` (:mod:`leasekit.lease.pkeeping`: ``PROVEN``, ``PLAIN``)."""
 
@@ -96,6 +112,7 @@ class MetricSpec:
         labels: labels beyond :data:`VLLM_ENGINE_LABELS`.
         side: ``"P"`` (exported by prefill workers), ``"D"`` (decode workers) or ``"both"``.
         buckets: histogram bucket upper bounds in seconds (``()`` for other kinds).
+        modes: the transfer modes whose servers export it (zero series included).
     """
 
     name: str
@@ -104,6 +121,7 @@ class MetricSpec:
     labels: tuple[str, ...]
     side: str
     buckets: tuple[float, ...] = ()
+    modes: tuple[str, ...] = TRANSFER_MODES
 
     @property
     def sample_names(self) -> tuple[str, ...]:
@@ -253,6 +271,17 @@ SPANS_DROPPED = MetricSpec(
     "OTLP endpoint failed): counts per span, per TP rank, by reason. Spans are exported off the engine "
     "thread, so a slow sink drops spans instead of slowing P's steps.", _RANK + ("reason",), "both")
 
+PUSH_WRITES_METRIC = MetricSpec(
+    PREFIX + "push_writes", "counter",
+    "Push mode: P's WRITEs of leased KV blocks into D, by outcome (issued, done, failed, late: finished after the "
+    "lease expired, D may hold reused blocks): counts per request per P TP rank.", _RANK + ("outcome",), "P",
+    modes=("push",))
+PUSH_LATE_WRITES = MetricSpec(
+    PREFIX + "push_late_writes", "counter",
+    "Push mode: WRITE notifications D received for a request it no longer waited on (it timed out or was aborted, "
+    "its KV blocks may have been reused: possible silent corruption of another request): counts per notification, "
+    "per D TP rank.", _RANK, "D", modes=("push",))
+
 HANDSHAKE_BAD_REASONS = (
     "bad_frames", "oversized", "bad_msgpack", "bad_shape", "unknown_tag", "unknown_rank", "internal_error",
 )
@@ -282,7 +311,7 @@ LEASEKIT_METRICS: tuple[MetricSpec, ...] = (
     BINDINGS, HEARTBEAT_UNKNOWN_IDS, ABORTS, LATE_COMPLETIONS, HEARTBEATS_SENT, HEARTBEAT_SEND_FAILURES, HOLD, HEARTBEAT_GAP, RECLAIM_LAG,
     DURATION, HEARTBEAT_INTERVAL, EXTENSION, NOTIFICATIONS_DROPPED, MAX_HOLD,
     READS, READ_VERDICT_WAIT, READ_PROOFS_METRIC, VERDICT_SEND_FAILURES, PLEDGE_HOLD, SPANS_DROPPED,
-    HANDSHAKE_LISTENER_UP, HANDSHAKE_REQUESTS, HANDSHAKE_BAD_REQUESTS,
+    HANDSHAKE_LISTENER_UP, HANDSHAKE_REQUESTS, HANDSHAKE_BAD_REQUESTS, PUSH_WRITES_METRIC, PUSH_LATE_WRITES,
 )
 """Every metric LeaseKitConnector exports, in documentation order."""
 

@@ -12,6 +12,8 @@ LEASE_SPAN_NAME = "kv_lease"
 LATE_READ_SPAN_NAME = "kv_lease_late_read"
 """A zero-length span: a read completion arrived for a lease P had already expired (the read may
 have used freed blocks; docs/lease-model.md invariant 5)."""
+LATE_WRITE_SPAN_NAME = "kv_lease_late_write"
+"""Push mode: a zero-length span for a WRITE of a lease's blocks that finished after the lease ended (P)."""
 
 # Span events, one per lease transition (etcd lessor.go names every transition the same way).
 EVENT_GRANT = "grant"

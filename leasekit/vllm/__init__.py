@@ -10,14 +10,17 @@ from leasekit.vllm.version import SUPPORTED_VLLM_RELEASES, UnsupportedVllmError,
 CONNECTOR_MODULE_PATH = "leasekit.vllm.connector"
 CONNECTOR_NAME = "LeaseKitConnector"
 STOCK_CONNECTOR_NAME = "NixlConnector"
+PUSH_CONNECTOR_NAME = "LeaseKitPushConnector"
+"""LeaseKit's push-mode connector (:mod:`leasekit.vllm.push`), loaded from :data:`CONNECTOR_MODULE_PATH` too."""
 STOCK_PUSH_CONNECTOR_NAME = "NixlPushConnector"
-"""vLLM's push-mode (WRITE) NIXL connector (vllm ``nixl/connector.py``); LeaseKit has no push connector yet."""
+"""vLLM's push-mode (WRITE) NIXL connector (vllm ``nixl/connector.py``)."""
 TRANSFER_MODES = ("pull", "push")
 """NIXL transfer modes: ``pull`` (D READs P's KV blocks) and ``push`` (P WRITEs them into D's)."""
 
 __all__ = [
     "CONNECTOR_MODULE_PATH",
     "CONNECTOR_NAME",
+    "PUSH_CONNECTOR_NAME",
     "STOCK_CONNECTOR_NAME",
     "STOCK_PUSH_CONNECTOR_NAME",
     "TRANSFER_MODES",

@@ -154,10 +154,37 @@ _CLASSES_032 = (
     ClassNeeds(f"{NIXL}.metadata", "ReqMeta", attributes=("remote", "local_block_ids")),
     ClassNeeds(f"{NIXL}.metadata", "RemoteMeta", attributes=("request_id",)),
     ClassNeeds(f"{NIXL}.tp_mapping", "ReadSpec", attributes=("remote_rank",)),
+    # push mode (LeaseKitPushConnector, leasekit/vllm/push.py): nixl/push_worker.py, push_scheduler.py. The writer
+    # thread must still own get_new_notifs, route PUSH_REG by its prefix and forward the rest to the engine thread
+    # through _pending_completion_notifs (LeaseKit's tap filters the batch it gets: leasekit/vllm/pushflow.py);
+    # get_transfer_results must still pop P's WRITE handles from _sending_transfers into done_sending.
+    ClassNeeds(f"{NIXL}.push_worker", "NixlPushConnectorWorker", methods={
+        "__init__": _WORKER_INIT, "start_load_kv": ("self", "metadata"), "get_transfer_results": _SELF,
+        "_get_new_notifs": _SELF, "_reap_expired_send_leases": ("self", "done_sending"),
+        "_send_heartbeats": ("self", "metadata"), "shutdown": _SELF, "_pop_done_transfers": ("self", "transfers"),
+        "_xfer_blocks_for_req": ("self", "req_id", "meta"), "get_kv_connector_stats": _SELF,
+    }, attributes=(
+        "_reqs_to_send", "_reqs_to_process", "_sending_transfers", "_sending_transfers_lock",
+        "_pending_completion_notifs", "_recving_metadata", "xfer_stats", "nixl_wrapper", "kv_transfer_config",
+        "tp_rank", "engine_id",
+    ), writes={"_push_writer_loop": ("get_new_notifs", "startswith", "_handle_push_reg_notif",
+                                     "_pending_completion_notifs"),
+               "get_transfer_results": ("_pop_done_transfers", "_sending_transfers", "finished_sending")}),
+    ClassNeeds(f"{NIXL}.push_scheduler", "NixlPushConnectorScheduler", methods={
+        "__init__": _WORKER_INIT, "request_finished": ("self", "request", "block_ids"),
+        "build_connector_meta": ("self", "scheduler_output"), "on_new_request": ("self", "request"),
+        "_stop_heartbeat": ("self", "req_id"), "set_xfer_handshake_metadata": ("self", "metadata"),
+        "_nixl_handshake_listener": ("encoded_data", "ready_event", "stop_event", "host", "port"),
+    }, attributes=("_heartbeat_req_engine", "_kv_lease_duration", "_reqs_need_send", "_nixl_handshake_listener_t")),
+    ClassNeeds(f"{NIXL}.connector", "NixlPushConnector", methods={
+        "__init__": ("self", "vllm_config", "role", "kv_cache_config"), "get_kv_connector_stats": _SELF,
+        "build_kv_connector_stats": ("data",), "build_prom_metrics": _PROM_INIT,
+    }),
 )
 
 _SOURCE_MODULES = (*(f"{NIXL}.{m}" for m in ("base_worker", "pull_worker", "base_scheduler", "pull_scheduler",
-                                                 "connector", "metadata", "stats", "tp_mapping")),
+                                                 "connector", "metadata", "stats", "tp_mapping", "push_worker",
+                                                 "push_scheduler")),
                    "vllm.distributed.kv_transfer.kv_connector.v1.metrics")
 
 _LOG_FORMATS_032 = MappingProxyType({
@@ -196,6 +223,9 @@ _WIRE_032 = MappingProxyType({
     "encoding": WireNeeds("utf-8", {f"{_WORKER}._get_new_notifs": (".decode('utf-8')",)}),
     "handshake_tag": WireNeeds(b"get_meta_msg", {f"{NIXL}.metadata:GET_META_MSG": ()}),
     "handshake_delimiter": WireNeeds(b"", {f"{_SCHEDULER}._nixl_handshake_listener": ("b''", ".recv_multipart()")}),
+    # push mode: D's registration is PUSH_REG_NOTIF_PREFIX + msgpack(dict) (push_worker.py _do_send_reg_notif);
+    # LeaseKit's guard (leasekit/lease/pushreg.py) recognises and decodes it the same way
+    "push_reg_prefix": WireNeeds(b"PUSH_REG:", {f"{NIXL}.metadata:PUSH_REG_NOTIF_PREFIX": ()}),
 })
 
 # P's request_finished returns them (dict(...) in pull_scheduler.py); D's on_new_request reads them

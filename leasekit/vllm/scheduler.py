@@ -47,8 +47,9 @@ METADATA_LEASE_KEY_ATTR = "leasekit_lease_key"
 METADATA_PEERS_ATTR = "leasekit_side_channel_peers"
 
 
-class LeaseKitPullScheduler(NixlPullConnectorScheduler):
-    """Scheduler side: stock behaviour; also hands the workers each new lease's KV block count and
+class LeaseKitSchedulerMixin:
+    """Scheduler side, pull or push (the first base of :class:`LeaseKitPullScheduler` and of
+    :class:`leasekit.vllm.push.LeaseKitPushScheduler`): stock behaviour; also hands the workers each new lease's KV block count and
     trace headers (P), and the requests D starts and stops heartbeating (D); runs a side-channel
     handshake listener that survives bad requests (:mod:`leasekit.vllm.prefill.listener`) and reports its
     health (P).
@@ -57,9 +58,10 @@ class LeaseKitPullScheduler(NixlPullConnectorScheduler):
     ``object.__new__``), every method is vLLM's."""
 
     _lk_ready = False
+    _lk_mode = "pull"
 
     def __init__(self, vllm_config: "VllmConfig", engine_id: str, kv_cache_config: "KVCacheConfig"):
-        super().__init__(vllm_config, engine_id, kv_cache_config)
+        super().__init__(vllm_config, engine_id, kv_cache_config)  # type: ignore[call-arg]
         self._leasekit_blocks: dict[str, int] = {}
         self._leasekit_trace: dict[str, dict[str, str]] = {}
         self._leasekit_tracked: list[list[Any]] = []
@@ -67,7 +69,8 @@ class LeaseKitPullScheduler(NixlPullConnectorScheduler):
         self._leasekit_protected: list[list[Any]] = []
         self._leasekit_finished: list[str] = []
         self._lk_protected_ids: set[str] = set()
-        self._lk_fail_closed = fail_closed_enabled(vllm_config.kv_transfer_config)
+        # push mode: D reads nothing, so there is no read to hold for a verdict (and no lease secret)
+        self._lk_fail_closed = self._lk_mode == "pull" and fail_closed_enabled(vllm_config.kv_transfer_config)
         self._lk_pledge_s = pledge_seconds(vllm_config.kv_transfer_config, self._kv_lease_duration)
         self._lk_clock_id = local_clock_id() if self._lk_fail_closed and self._lk_pledge_s > 0 else None
         self._leasekit_pledges: dict[str, float] = {}
@@ -90,7 +93,7 @@ class LeaseKitPullScheduler(NixlPullConnectorScheduler):
         (:func:`leasekit.vllm.prefill.listener.serve_handshakes`). Returns only when ``stop_event`` is set
         (``shutdown``)."""
         if not self._lk_ready:
-            return NixlPullConnectorScheduler._nixl_handshake_listener(encoded_data, ready_event, stop_event, host, port)
+            return super()._nixl_handshake_listener(encoded_data, ready_event, stop_event, host, port)  # type: ignore[misc]
         serve_handshakes(encoded_data, ready_event, stop_event, make_zmq_path("tcp", host, port), self._lk_listener)
 
     def listener_stats(self) -> LeaseKitKVConnectorStats | None:
@@ -113,7 +116,7 @@ class LeaseKitPullScheduler(NixlPullConnectorScheduler):
     def request_finished(self, request: "Request", block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         """Stock ``request_finished``; records ``sum(len(group))`` blocks for a delayed free (a lease)
         and the request's W3C trace headers, if it had any."""
-        delay_free, params = super().request_finished(request, block_ids)
+        delay_free, params = super().request_finished(request, block_ids)  # type: ignore[misc]
         if not self._lk_ready:
             return delay_free, params
         if request.request_id in self._lk_protected_ids:  # D: the read gate's state for it ends
@@ -139,7 +142,7 @@ class LeaseKitPullScheduler(NixlPullConnectorScheduler):
     def on_new_request(self, request: "Request") -> None:
         """Stock tracking (D); a request it starts heartbeating is handed to the workers as
         ``[P request id, P engine id, D request id, trace headers]``."""
-        super().on_new_request(request)
+        super().on_new_request(request)  # type: ignore[misc]
         if not self._lk_ready:
             return
         params = request.kv_transfer_params
@@ -162,9 +165,9 @@ class LeaseKitPullScheduler(NixlPullConnectorScheduler):
     def _stop_heartbeat(self, req_id: str) -> None:
         """Stock; a request it stops heartbeating is handed to the workers (P's request id)."""
         if not self._lk_ready:
-            return super()._stop_heartbeat(req_id)
+            return super()._stop_heartbeat(req_id)  # type: ignore[misc]
         key = self._heartbeat_req_engine.get(req_id)
-        super()._stop_heartbeat(req_id)
+        super()._stop_heartbeat(req_id)  # type: ignore[misc]
         if key is not None:
             self._leasekit_untracked.append(key[1])
 
@@ -180,7 +183,7 @@ class LeaseKitPullScheduler(NixlPullConnectorScheduler):
         its workers check lease proofs with, :mod:`leasekit.lease.proof`; None when P mints no secrets) and
         ``leasekit_side_channel_peers`` (P: the addresses the handshake listener served since the last step, the
         default verdict-channel allowlist); each emptied after."""
-        meta = super().build_connector_meta(scheduler_output)
+        meta = super().build_connector_meta(scheduler_output)  # type: ignore[misc]
         if not self._lk_ready:
             return meta
         setattr(meta, METADATA_BLOCKS_ATTR, self._leasekit_blocks)
@@ -199,3 +202,8 @@ class LeaseKitPullScheduler(NixlPullConnectorScheduler):
         self._leasekit_tracked, self._leasekit_untracked, self._leasekit_protected = [], [], []
         self._leasekit_finished = []
         return meta
+
+
+class LeaseKitPullScheduler(LeaseKitSchedulerMixin, NixlPullConnectorScheduler):
+    """The scheduler side of :class:`leasekit.vllm.connector.LeaseKitConnector`: vLLM's pull scheduler with
+    LeaseKit's part (:class:`LeaseKitSchedulerMixin`)."""

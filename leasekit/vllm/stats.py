@@ -51,8 +51,10 @@ SPAN_DROPS = "lk_span_drops"  # [rank, reason, count]  spans not exported since 
 BINDINGS = "lk_bindings"  # [rank, proof, count]  one entry per kind per step
 UNKNOWN_IDS = "lk_unknown_ids"  # [rank, count]  heartbeat ids P held no lease for
 LISTENER = "lk_listener"  # [up (1|0), served_total, {reason: total}]  scheduler side, no rank; latest wins
+PUSH_WRITES = "lk_push_writes"  # [rank, outcome, count]  P's WRITEs in push mode (issued, done, failed, late)
+LATE_WRITES = "lk_late_writes"  # [rank, count]  D: WRITE notifications for requests D no longer waited on
 LEASE_KEYS = (GRANTS, EXTENSIONS, ENDS, LATE, PEER_RETURNS, HEARTBEATS, STATE, CONFIG, DROPS, MAX_HOLD, READS,
-              VERDICT_FAILS, PLEDGE_HOLDS, SPAN_DROPS, BINDINGS, UNKNOWN_IDS, LISTENER)
+              VERDICT_FAILS, PLEDGE_HOLDS, SPAN_DROPS, BINDINGS, UNKNOWN_IDS, LISTENER, PUSH_WRITES, LATE_WRITES)
 
 
 class LeaseKitKVConnectorStats(NixlKVConnectorStats):
@@ -142,6 +144,19 @@ class LeaseStatsObserver:
         else:
             entries.append([self.tp_rank, int(count)])
 
+    def push_write(self, outcome: str) -> None:
+        """Record one push-mode WRITE of P by ``outcome`` (``issued``, ``done``, ``failed``, ``late``:
+        ``metrics.PUSH_WRITE_OUTCOMES``)."""
+        self._add(PUSH_WRITES, str(outcome), 1)
+
+    def late_write(self) -> None:
+        """Record one WRITE notification D got for a request it no longer waited on (push mode)."""
+        entries = self.stats.data[LATE_WRITES]
+        if entries:
+            entries[0][1] += 1
+        else:
+            entries.append([self.tp_rank, 1])
+
     def _add(self, key: str, label: str, count: int) -> None:
         entries = self.stats.data[key]
         for entry in entries:
@@ -221,8 +236,11 @@ class LeaseKitPromMetrics(NixlPromMetrics):
     """
 
     def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
-                 per_engine_labelvalues: dict[int, list[object]]):
+                 per_engine_labelvalues: dict[int, list[object]], mode: str = "pull"):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        if mode not in m.TRANSFER_MODES:
+            raise ValueError(f"mode={mode!r}: must be one of {m.TRANSFER_MODES}")
+        self._lk_mode = mode
         classes = {"counter": self._counter_cls, "gauge": self._gauge_cls, "histogram": self._histogram_cls}
         self._lk: dict[str, Any] = {}
         self._lk_listener_last: dict[int, tuple[int, dict[str, int]]] = {}  # engine -> last totals
@@ -230,7 +248,7 @@ class LeaseKitPromMetrics(NixlPromMetrics):
             kwargs: dict[str, Any] = {
                 "name": spec.name,
                 "documentation": spec.help,
-                "labelnames": list(labelnames) + list(spec.labels),
+                "labelnames": list(labelnames) + [m.MODE_LABEL] + list(spec.labels),
             }
             if spec.kind == "histogram":
                 kwargs["buckets"] = list(spec.buckets)
@@ -240,7 +258,7 @@ class LeaseKitPromMetrics(NixlPromMetrics):
 
     def _child(self, spec: m.MetricSpec, engine_idx: int, *values: object) -> Any:
         engine_values = self.per_engine_labelvalues.get(engine_idx, [])
-        return self._lk[spec.name].labels(*[str(v) for v in (*engine_values, *values)])
+        return self._lk[spec.name].labels(*[str(v) for v in (*engine_values, self._lk_mode, *values)])
 
     def _zero_series(self, engine_idx: int, rank: object, kv_role: str) -> None:
         """Export every series this worker's role can produce at zero (Prometheus instrumentation
@@ -253,10 +271,13 @@ class LeaseKitPromMetrics(NixlPromMetrics):
                 continue
             if spec.labels[:1] != ("tp_rank",):  # not per rank (the scheduler's listener): zeroed by
                 continue                          # its own entry, see _listener
+            if spec.modes != m.TRANSFER_MODES and self._lk_mode not in spec.modes:
+                continue
             extra: list[list[str]] = [[]]
             for label in spec.labels[1:]:  # tp_rank first
                 values = {"cause": m.EXPIRY_CAUSES, "peer_state": m.PEER_STATES,
-                          "outcome": m.READ_OUTCOMES if spec is m.READS else m.HOLD_OUTCOMES,
+                          "outcome": (m.READ_OUTCOMES if spec is m.READS else m.PUSH_WRITE_OUTCOMES
+                                      if spec is m.PUSH_WRITES_METRIC else m.HOLD_OUTCOMES),
                           "proof": m.PROOF_KINDS if spec is m.BINDINGS else m.READ_PROOFS,
                           "reason": m.SPAN_DROP_REASONS if spec is m.SPANS_DROPPED else m.NOTIFICATION_DROP_REASONS,
                           "fail_closed": ("false",)}.get(label, (m.UNKNOWN_REMOTE,))
@@ -322,6 +343,11 @@ class LeaseKitPromMetrics(NixlPromMetrics):
             self._child(m.PLEDGE_HOLD, engine_idx, rank).observe(held_s)
         for _rank, role, max_hold_s in d.get(MAX_HOLD, ()):
             self._child(m.MAX_HOLD, engine_idx, role).set(max_hold_s)
+        for rank, outcome, count in d.get(PUSH_WRITES, ()):
+            if outcome in m.PUSH_WRITE_OUTCOMES:
+                self._child(m.PUSH_WRITES_METRIC, engine_idx, rank, outcome).inc(count)
+        for rank, count in d.get(LATE_WRITES, ()):
+            self._child(m.PUSH_LATE_WRITES, engine_idx, rank).inc(count)
         for up, served, bad in d.get(LISTENER, ()):  # in order: the last one wins
             self._listener(engine_idx, up, served, bad)
 

@@ -162,23 +162,42 @@ class NotificationTap:
 
     def __getattr__(self, name: str) -> Any:
         """Attributes the tap does not define come from the wrapped object (AttributeError if absent)."""
-        if name in NotificationTap.OWN_ATTRIBUTES:  # not set yet (a half-built tap): no recursion
+        if name in type(self).OWN_ATTRIBUTES:  # not set yet (a half-built tap): no recursion
             raise AttributeError(name)
         return getattr(self._wrapped, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
         """The tap's own attributes are set on the tap; every other one on the wrapped object."""
-        if name in NotificationTap.OWN_ATTRIBUTES:
+        if name in type(self).OWN_ATTRIBUTES:
             object.__setattr__(self, name, value)
         else:
             setattr(self._wrapped, name, value)
 
     def __delattr__(self, name: str) -> None:
         """Deletes on the tap for its own attributes, else on the wrapped object (``mock.patch`` undo)."""
-        if name in NotificationTap.OWN_ATTRIBUTES:
+        if name in type(self).OWN_ATTRIBUTES:
             object.__delattr__(self, name)
         else:
             delattr(self._wrapped, name)
+
+
+class PushNotificationTap(NotificationTap):
+    """The tap of a push-mode worker (:class:`leasekit.vllm.push.LeaseKitPushWorker`): as
+    :class:`NotificationTap`, except that ``get_new_notifs`` (called by vLLM's ``nixl-push-writer`` thread, which
+    owns it in push mode) hands the batch to ``flow`` (a :class:`leasekit.vllm.pushflow.PushFlow`, set after
+    construction) and returns only what the flow lets vLLM's writer act on: the accepted ``PUSH_REG``
+    registrations. Without a flow it is transparent."""
+
+    OWN_ATTRIBUTES = NotificationTap.OWN_ATTRIBUTES | {"flow"}
+
+    def __init__(self, wrapped: Any, on_heartbeat_sent: Any = None):
+        super().__init__(wrapped, on_heartbeat_sent)
+        self.flow: Any = None
+
+    def get_new_notifs(self, *args: Any, **kwargs: Any) -> dict[str, list[bytes]]:
+        """NIXL ``get_new_notifs`` through the flow (:meth:`leasekit.vllm.pushflow.PushFlow.writer_batch`)."""
+        batch = super().get_new_notifs(*args, **kwargs)
+        return batch if self.flow is None else self.flow.writer_batch(batch)
 
 
 class HeartbeatBatch:

@@ -11,7 +11,10 @@ What these tests pin down:
   request waits until the client gives up, heartbeating P's lease all the while (D registered and
   waits for a WRITE), and P reclaims the lease once D's heartbeats stop;
 - stock P trusts a ``PUSH_REG``: a stranger who knows a request id makes P dial the stranger's address
-  to WRITE the prompt's KV blocks there.
+  to WRITE the prompt's KV blocks there;
+- a LeaseKit push pair (LeaseKitPushConnector on both sides) serves the same tokens as the stock push pair,
+  its leases are spans and metrics with ``mode="push"`` (grant, WRITE issued, WRITE done, release), and its P
+  refuses the stranger's registration and malformed ones, counted by reason, and keeps serving.
 """
 
 from __future__ import annotations
@@ -24,9 +27,13 @@ import httpx
 import msgspec
 import pytest
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from leasekit.chaos.peer import NixlPeer
 from leasekit.cluster.pair import PairSpec, PDPair
 from leasekit.cluster.serverspec import SERVED_MODEL_NAME
+from leasekit.telemetry import semconv as sc
+from leasekit.telemetry.spanfile import read_span_dir
 from tests.prefetch import PREFETCH
 
 pytestmark = pytest.mark.pair
@@ -35,13 +42,21 @@ TOKENS = 8
 SPEC = PairSpec.pinned(prefill_connector="stock", decode_connector="stock", transfer_mode="push", lease_duration_s=L,
                        lease_logging=True,  # P's lease lines at DEBUG: the evidence of a stock P
                        decode_kv_load_failure_policy="fail")  # a failed push is an error, never recomputed by D
-PREFETCH_PAIRS = [SPEC]
+LK_SPEC = PairSpec.pinned(prefill_connector="leasekit", decode_connector="leasekit", transfer_mode="push",
+                          lease_duration_s=L, decode_kv_load_failure_policy="fail")
+PREFETCH_PAIRS = [SPEC, LK_SPEC]
 """Started ahead in the background (tests/prefetch.py)."""
 
 
 @pytest.fixture(scope="module")
 def push_pair(vllm_available, tmp_path_factory):
     with PREFETCH.pair_for(SPEC, tmp_path_factory.mktemp("push") / "run") as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def lk_push_pair(vllm_available, tmp_path_factory):
+    with PREFETCH.pair_for(LK_SPEC, tmp_path_factory.mktemp("lk-push") / "run") as started:
         yield started
 
 
@@ -126,4 +141,119 @@ def test_stock_p_dials_the_address_a_strangers_push_reg_names(push_pair):
         connection.close()
     assert peer_host == "127.0.0.1"
     again = push_pair.router.generate(push_pair.prompt(40), TOKENS)  # P survives its failed handshake
+    assert again.decode is not None and again.decode.ok
+
+
+# -- LeaseKitPushConnector -----------------------------------------------------------------------------------
+
+
+def metric_samples(url: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """``(labels, value)`` of every sample called ``name`` on a server's /metrics."""
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    return [(dict(s.labels), s.value) for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name == name]
+
+
+def wait_for(predicate, timeout_s: float, poke=None):
+    """Poll ``predicate()`` every 0.25 s until true or ``timeout_s`` passed; ``poke()`` every 2 s (P ships its
+    metrics at its engine steps). Returns the last value."""
+    deadline = last = time.monotonic()
+    deadline += timeout_s
+    while not (value := predicate()) and time.monotonic() < deadline:
+        if poke is not None and time.monotonic() - last > 2:
+            poke()
+            last = time.monotonic()
+        time.sleep(0.25)
+    return value
+
+
+def test_leasekit_push_pair_serves_the_tokens_of_the_stock_push_pair(push_pair, lk_push_pair):
+    config = lk_push_pair.prefill.spec.kv_transfer_config(lk_push_pair.run_dir)
+    assert config["kv_connector"] == "LeaseKitPushConnector"
+    rids = []
+    for length in (32, 80):
+        prompt = lk_push_pair.prompt(length)
+        leasekit = lk_push_pair.router.generate(prompt, TOKENS)
+        stock = push_pair.router.generate(prompt, TOKENS)
+        assert leasekit.decode is not None and leasekit.decode.ok, leasekit.decode and leasekit.decode.error
+        assert stock.decode is not None and stock.decode.ok
+        assert leasekit.prefill.kv_transfer_params["transfer_mode"] == "push"
+        assert leasekit.decode.token_ids == stock.decode.token_ids == local_generation(lk_push_pair, prompt, TOKENS)
+        rids.append(leasekit.prefill.request_id)
+
+    def released():
+        spans = {s.attributes.get(sc.REQUEST_ID): s for s in read_span_dir(lk_push_pair.span_dir).spans
+                 if s.name == sc.LEASE_SPAN_NAME}
+        return spans if all(r in spans for r in rids) else None
+
+    spans = wait_for(released, 10)
+    assert spans, f"no lease span for {rids}"
+    for rid in rids:  # the lease ended because its WRITE finished, after P issued it
+        span = spans[rid]
+        assert span.attributes[sc.OUTCOME] == sc.OUTCOME_RELEASED, span.attributes
+        assert span.resource["leasekit.transfer_mode"] == "push"
+        issued = span.attributes["leasekit.push.write_issued_after_s"]
+        assert 0 <= issued < L
+        assert span.attributes["leasekit.push.decode_agent"].startswith("peer-")
+        assert (span.attributes["leasekit.push.write_issued_monotonic_s"]
+                <= span.attributes["leasekit.push.write_done_monotonic_s"])
+
+    def pushed():
+        done = [v for labels, v in metric_samples(lk_push_pair.prefill.url, "leasekit_kv_lease_push_writes_total")
+                if labels["outcome"] == "done" and labels["mode"] == "push"]
+        return sum(done) >= len(rids)
+
+    assert wait_for(pushed, 15, poke=lambda: lk_push_pair.router.generate(lk_push_pair.prompt(24), 2))
+    grants = metric_samples(lk_push_pair.prefill.url, "leasekit_kv_lease_grants_total")
+    assert grants and all(labels["mode"] == "push" for labels, _ in grants)
+    assert sum(v for _, v in grants) >= len(rids)
+    beats = metric_samples(lk_push_pair.decode.url, "leasekit_kv_lease_heartbeats_sent_total")
+    assert beats and all(labels["mode"] == "push" for labels, _ in beats)
+
+
+def _registration(prefill, request_id: str, host: str, port: int) -> dict:
+    params = prefill.kv_transfer_params
+    return {"request_id": request_id, "decode_engine_id": f"stranger-{uuid.uuid4()}", "decode_host": host,
+            "decode_port": port, "decode_tp_size": 1, "local_block_ids": [[1]],
+            "remote_engine_id": params["remote_engine_id"], "remote_host": params["remote_host"],
+            "remote_port": params["remote_port"], "remote_tp_size": params["tp_size"], "remote_pp_size": 1}
+
+
+def test_leasekit_p_refuses_strangers_and_malformed_push_regs_and_keeps_serving(lk_push_pair):
+    """The registration the stock P dials (test above) makes a LeaseKit P dial nothing: 127.0.0.2 is no address
+    P's handshake listener served. A registration for a request P holds no lease for, malformed ones (not
+    msgpack, a string port, a bool TP size, no block ids) and junk notifications are counted by reason; P
+    keeps serving. On one host every peer is 127.0.0.1, so the address rule cannot tell a stranger from D here
+    (docs/security.md): the lease rule and the one-registration-per-lease rule still hold."""
+    pair = lk_push_pair
+    prefill = pair.router.prefill(pair.prompt(40))  # finished on P; D is never asked: P holds the lease
+    assert prefill.ok, prefill.error
+    with socket.socket() as trap, NixlPeer() as stranger:
+        trap.bind(("127.0.0.2", 0))
+        trap.listen(4)
+        trap.settimeout(2 * L)
+        agent = stranger.handshake("127.0.0.1", pair.prefill.side_channel_port)
+        good = _registration(prefill, f"cmpl-{prefill.routing_id}-0", "127.0.0.2", trap.getsockname()[1])
+        stranger.send(agent, b"PUSH_REG:" + msgspec.msgpack.encode(good))
+        unknown = dict(good, request_id=f"cmpl-{uuid.uuid4().hex}-0", decode_host="127.0.0.1")
+        stranger.send(agent, b"PUSH_REG:" + msgspec.msgpack.encode(unknown))
+        for bad in (b"PUSH_REG:\xc1\xc1", msgspec.msgpack.encode(dict(good, decode_port="80")),
+                    msgspec.msgpack.encode(dict(good, decode_tp_size=True)),
+                    msgspec.msgpack.encode({k: v for k, v in good.items() if k != "local_block_ids"})):
+            stranger.send(agent, bad if bad.startswith(b"PUSH_REG:") else b"PUSH_REG:" + bad)
+        stranger.send(agent, b"no colon here")
+        stranger.send(agent, b"\xff\xfe:1")
+        with pytest.raises(socket.timeout):
+            trap.accept()  # P never dialled the address the registration named
+
+    def dropped():
+        counts = {labels["reason"]: v for labels, v in metric_samples(
+            pair.prefill.url, "leasekit_kv_lease_notifications_dropped_total") if v}
+        return counts if {"push_reg_not_allowed", "push_reg_unknown_id", "bad_push_reg", "no_colon",
+                          "not_utf8"} <= counts.keys() else None
+
+    counts = wait_for(dropped, 20, poke=lambda: pair.router.generate(pair.prompt(24), 2))
+    assert counts, metric_samples(pair.prefill.url, "leasekit_kv_lease_notifications_dropped_total")
+    assert counts["bad_push_reg"] >= 4
+    again = pair.router.generate(pair.prompt(40), TOKENS)  # P (and its writer thread) still serve
     assert again.decode is not None and again.decode.ok

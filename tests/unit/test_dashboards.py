@@ -157,7 +157,7 @@ def test_promtool_test_files_must_feed_exported_series(tmp_path):
     for test_file in sorted((DASHBOARDS / "tests").glob("*.yml")):
         assert promtool_test_problems(test_file, doc) == []
     bad = tmp_path / "bad.yml"
-    good = 'job="j",instance="i",model_name="m",engine="0",tp_rank="0"'
+    good = 'job="j",instance="i",model_name="m",engine="0",mode="pull",tp_rank="0"'
     bad.write_text(yaml.safe_dump({"tests": [{
         "input_series": [
             {"series": f'leasekit_kv_lease_expiries{{{good},peer_state="silent",cause="no_heartbeat"}}', "values": "0"},
@@ -169,8 +169,8 @@ def test_promtool_test_files_must_feed_exported_series(tmp_path):
     problems = promtool_test_problems(bad, doc)
     assert len(problems) == 3
     assert "'leasekit_kv_lease_expiries' is not exported" in problems[0]  # counters are scraped as _total
-    assert "labels ['engine', 'instance', 'job', 'model_name', 'remote_engine_id', 'tp_rank'] differ from the " \
-           "exported ['engine', 'fail_closed', 'instance', 'job', 'model_name', 'tp_rank']" in problems[1]
+    assert "labels ['engine', 'instance', 'job', 'mode', 'model_name', 'remote_engine_id', 'tp_rank'] differ from " \
+           "the exported ['engine', 'fail_closed', 'instance', 'job', 'mode', 'model_name', 'tp_rank']" in problems[1]
     assert "'nope' is not exported" in problems[2]
 
 

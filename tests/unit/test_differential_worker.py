@@ -59,7 +59,7 @@ class LeaseKitP(R.VllmP):
 
     @contextlib.contextmanager
     def clocks(self):
-        import leasekit.vllm.connector as connector
+        import leasekit.vllm.worker as connector  # the worker mixin reads the clock
         import leasekit.vllm.prefill.hooks as phooks  # P's components read no clock: the hooks pass ``now``
 
         saved = [(m, m.time) for m in (connector, phooks)]

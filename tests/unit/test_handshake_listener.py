@@ -324,7 +324,7 @@ def test_listener_health_reaches_prometheus_as_up_gauge_and_per_request_counters
     health = lst.ListenerHealth()
 
     def value(name, **labels):
-        return registry.get_sample_value(name, {"model_name": "tiny", "engine": "0", **labels})
+        return registry.get_sample_value(name, {"model_name": "tiny", "engine": "0", "mode": "pull", **labels})
 
     health.alive = True
     first = reporter.report(*health.snapshot())
@@ -359,4 +359,4 @@ def test_listener_health_reaches_prometheus_as_up_gauge_and_per_request_counters
     # an unknown reason from a newer peer never becomes a label
     prom.observe(_entry(1, 1, {"bad_shape": 1, "made_up": 5}), 0)
     assert registry.get_sample_value("leasekit_kv_handshake_bad_requests_total",
-                                     {"model_name": "tiny", "engine": "0", "reason": "made_up"}) is None
+                                     {"model_name": "tiny", "engine": "0", "mode": "pull", "reason": "made_up"}) is None

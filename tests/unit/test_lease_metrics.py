@@ -58,7 +58,7 @@ def _shipped(*worker_stats):
 
 
 def value(registry, name, **labels):
-    v = registry.get_sample_value(name, {"model_name": "tiny", "engine": "0", **labels})
+    v = registry.get_sample_value(name, {"model_name": "tiny", "engine": "0", "mode": "pull", **labels})
     return 0.0 if v is None else v
 
 
@@ -84,7 +84,7 @@ def test_lease_events_reach_prometheus_with_units_and_labels():
     assert value(registry, "leasekit_kv_lease_extension_seconds", kv_role="kv_producer") == 4
     # rank 0 announced its config: every P-side series exists at zero before its first event
     # ("avoid missing metrics"); D-side series do not exist on a producer
-    zero = {"model_name": "tiny", "engine": "0", "tp_rank": "0"}
+    zero = {"model_name": "tiny", "engine": "0", "mode": "pull", "tp_rank": "0"}
     assert registry.get_sample_value("leasekit_kv_lease_late_completions_total", {**zero, "fail_closed": "false"}) == 0.0
     for state in m.PEER_STATES:
         for cause in m.EXPIRY_CAUSES:
@@ -94,7 +94,7 @@ def test_lease_events_reach_prometheus_with_units_and_labels():
     assert registry.get_sample_value("leasekit_kv_lease_extensions_total", zero) == 0.0
     assert registry.get_sample_value(
         "leasekit_kv_lease_heartbeats_sent_total",
-        {"model_name": "tiny", "engine": "0", "tp_rank": "0", "remote_engine_id": m.UNKNOWN_REMOTE}) is None
+        {"model_name": "tiny", "engine": "0", "mode": "pull", "tp_rank": "0", "remote_engine_id": m.UNKNOWN_REMOTE}) is None
 
     # rank 0: A heartbeated at 101 and 102.5 then lapses; B released. rank 1: A never heartbeated.
     r0.extend("A", 105.0, remote_agent="agent-d", now=101.0)

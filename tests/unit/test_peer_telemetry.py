@@ -114,16 +114,16 @@ def test_the_scraped_exposition_holds_no_agent_name_and_no_request_id():
     text = generate_latest(registry).decode()
     # the scenario reached the registry...
     assert registry.get_sample_value("leasekit_kv_lease_extensions_total",
-                                     {"model_name": "tiny", "engine": "0", "tp_rank": "0"}) == 6
+                                     {"model_name": "tiny", "engine": "0", "mode": "pull", "tp_rank": "0"}) == 6
     assert "leasekit_kv_lease_late_completions_total" in text and "leasekit_kv_lease_expiries_total" in text
     # ...and no string a peer chose, or a request id, or a reference to one, is in the exposition
     for secret in (*AGENTS, *map(peer_ref, AGENTS), *REQUEST_IDS, "cmpl-secret", "nixl-agent", "peer-"):
         assert secret not in text, secret
     assert "remote_agent" not in text
     # every P-side label value is from a closed set: the series set does not grow with peers or requests
-    closed = {"model_name": {"tiny"}, "engine": {"0"}, "tp_rank": {"0", "1"}, "kv_role": {"kv_producer"},
+    closed = {"model_name": {"tiny"}, "engine": {"0"}, "mode": {"pull"}, "tp_rank": {"0", "1"}, "kv_role": {"kv_producer"},
               "cause": set(m.EXPIRY_CAUSES), "peer_state": set(m.PEER_STATES), "fail_closed": {"true", "false"},
-              "outcome": set(m.HOLD_OUTCOMES) | set(m.READ_OUTCOMES), "proof": set(m.READ_PROOFS) | set(m.PROOF_KINDS),
+              "outcome": set(m.HOLD_OUTCOMES) | set(m.READ_OUTCOMES) | set(m.PUSH_WRITE_OUTCOMES), "proof": set(m.READ_PROOFS) | set(m.PROOF_KINDS),
               "reason": set(m.NOTIFICATION_DROP_REASONS) | set(m.SPAN_DROP_REASONS), "remote_engine_id": {"unknown"}}
     for family in registry.collect():
         for sample in family.samples:
@@ -142,7 +142,7 @@ def test_expiries_say_what_p_knew_of_the_d_and_a_silent_d_that_came_back_is_coun
 
     def expiries(rank, cause, state):
         return registry.get_sample_value("leasekit_kv_lease_expiries_total", {
-            "model_name": "tiny", "engine": "0", "tp_rank": rank, "cause": cause, "peer_state": state})
+            "model_name": "tiny", "engine": "0", "mode": "pull", "tp_rank": rank, "cause": cause, "peer_state": state})
 
     assert expiries("0", "heartbeat_lapsed", "heartbeating") == 1
     assert expiries("0", "heartbeat_lapsed", "silent") == 1
@@ -151,9 +151,9 @@ def test_expiries_say_what_p_knew_of_the_d_and_a_silent_d_that_came_back_is_coun
     assert expiries("0", "heartbeat_lapsed", "unknown") == 0
     # b's one silent expiry, b heard from again 5.9 s later: 1; the restarted agent returns nothing
     assert registry.get_sample_value("leasekit_kv_lease_expired_peer_returns_total",
-                                     {"model_name": "tiny", "engine": "0", "tp_rank": "0"}) == 1
+                                     {"model_name": "tiny", "engine": "0", "mode": "pull", "tp_rank": "0"}) == 1
     assert registry.get_sample_value("leasekit_kv_lease_expired_peer_returns_total",
-                                     {"model_name": "tiny", "engine": "0", "tp_rank": "1"}) == 0
+                                     {"model_name": "tiny", "engine": "0", "mode": "pull", "tp_rank": "1"}) == 0
     # the spans carry the same state
     states = {s.attributes[sc.REQUEST_ID]: s.attributes.get(sc.EXPIRY_PEER_STATE)
               for s in w0.exporter.get_finished_spans() if s.name == sc.LEASE_SPAN_NAME}
@@ -183,7 +183,7 @@ def test_a_return_counts_once_and_only_within_the_window():
     w.rec.extend("R5", late + 5, remote_agent=agent, now=late + 1)  # back, but after the window: not counted
     _ship(prom, w)
     assert registry.get_sample_value("leasekit_kv_lease_expired_peer_returns_total",
-                                     {"model_name": "tiny", "engine": "0", "tp_rank": "0"}) == 2
+                                     {"model_name": "tiny", "engine": "0", "mode": "pull", "tp_rank": "0"}) == 2
 
 
 def test_spans_and_logs_name_the_peer_by_its_reference_never_its_agent_name():

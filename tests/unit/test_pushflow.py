@@ -1,0 +1,115 @@
+"""The push worker's flow between vLLM's writer thread and the engine thread (leasekit/vllm/pushflow.py): what
+the writer sees of a NIXL batch, what the engine thread gets (with senders), base-id matching of registrations to
+P's leases, and the drops and WRITEs recorded on the engine thread. Pure: a dict stands in for ``_reqs_to_send``."""
+
+from __future__ import annotations
+
+import msgspec
+
+from leasekit.lease.pushreg import PUSH_REG_PREFIX
+from leasekit.vllm.pushflow import PushFlow, base_request_id
+
+
+def reg(request_id: str, host: str = "10.0.0.2") -> bytes:
+    return PUSH_REG_PREFIX + msgspec.msgpack.encode({
+        "request_id": request_id, "decode_engine_id": "d-engine", "decode_host": host, "decode_port": 5600,
+        "decode_tp_size": 1, "local_block_ids": [[4, 5]], "remote_engine_id": "p", "remote_host": "10.0.0.1",
+        "remote_port": 5500, "remote_tp_size": 1, "remote_pp_size": 1})
+
+
+class Recorder:
+    def __init__(self):
+        self.notes: dict[str, dict] = {}
+
+    def grant_time(self, req_id):
+        return 100.0 if req_id in self.notes else None
+
+    def annotate(self, req_id, attributes):
+        self.notes.setdefault(req_id, {}).update(attributes)
+        return True
+
+
+class Stats:
+    def __init__(self):
+        self.writes: list[str] = []
+
+    def push_write(self, outcome):
+        self.writes.append(outcome)
+
+
+def make(clock=lambda: 0.0, allowed=("10.0.0.2",)):
+    leases: dict[str, float] = {}
+    drops: list[tuple[str, str, str]] = []
+    flow = PushFlow(leases, allowed=lambda host: host in allowed, hold_s=1.0, max_bytes=1 << 20,
+                    drop=lambda reason, agent, detail: drops.append((reason, agent, detail)), clock=clock)
+    return flow, leases, drops
+
+
+def test_base_request_id_strips_vllms_random_suffix_only():
+    assert base_request_id("cmpl-abc-0-1a2b3c4d") == "cmpl-abc-0"
+    assert base_request_id("cmpl-abc-0") == "cmpl-abc-0"
+    assert base_request_id("cmpl-abc-0-1a2b3c4") == "cmpl-abc-0-1a2b3c4"  # 7 hex: not vLLM's suffix
+
+
+def test_the_writer_sees_only_accepted_registrations_and_the_engine_thread_the_rest_with_senders():
+    now = [0.0]
+    flow, leases, drops = make(clock=lambda: now[0])
+    leases["cmpl-x-0-1a2b3c4d"] = 6.0
+    flow.granted("cmpl-x-0-1a2b3c4d")
+    batch = {"d-agent": [b"HB:cmpl-x-0-1a2b3c4d", reg("cmpl-x-0-99999999"), b"junk"],
+             "stranger": [reg("cmpl-x-0-1a2b3c4d"), reg("cmpl-nobody-0"), PUSH_REG_PREFIX + b"\xc1"]}
+    writer = flow.writer_batch(batch)
+    assert writer == {"d-agent": [reg("cmpl-x-0-99999999")]}  # D's own id, matched by base id; the lease's first
+    assert flow.take_notifications() == {"d-agent": [b"HB:cmpl-x-0-1a2b3c4d", b"junk"]}
+    assert flow.take_notifications() == {}
+    recorder, stats = Recorder(), Stats()
+    flow.record(recorder, stats)
+    assert [(reason, agent) for reason, agent, _ in drops] == [("push_reg_repeat", "stranger"),
+                                                                ("bad_push_reg", "stranger")]
+    now[0] = 1.0  # the unknown one waited its hold (H) for a grant that never came
+    assert flow.writer_batch({}) == {}
+    flow.record(recorder, stats)
+    assert drops[-1][:2] == ("push_reg_unknown_id", "stranger")
+
+
+def test_a_write_issued_is_noted_on_its_lease_with_the_registering_agent():
+    now = [103.5]
+    flow, leases, _ = make(clock=lambda: now[0])
+    leases["r-1a2b3c4d"] = 106.0
+    flow.granted("r-1a2b3c4d")
+    assert flow.writer_batch({"d-agent": [reg("r-1a2b3c4d")]})
+    flow.issued("r-1a2b3c4d", handles=2)
+    recorder, stats = Recorder(), Stats()
+    recorder.notes["r-1a2b3c4d"] = {}
+    flow.record(recorder, stats)
+    note = recorder.notes["r-1a2b3c4d"]
+    assert note["leasekit.push.write_issued_after_s"] == 3.5
+    assert note["leasekit.push.write_issued_monotonic_s"] == 103.5
+    assert note["leasekit.push.decode_agent"].startswith("peer-") and "d-agent" not in note["leasekit.push.decode_agent"]
+    assert stats.writes == ["issued"]
+
+
+def test_an_ended_lease_takes_no_more_registrations_and_a_new_one_with_its_id_can():
+    flow, leases, drops = make()
+    leases["r"] = 6.0
+    flow.granted("r")
+    assert flow.writer_batch({"a": [reg("r")]})
+    del leases["r"]
+    flow.ended("r")
+    assert flow.live("r") is None and flow.writer_batch({"a": [reg("r")]}) == {}  # held: unknown
+    leases["r"] = 12.0  # a new lease for the same id (a retried request)
+    flow.granted("r")
+    assert flow.writer_batch({}) == {"a": [reg("r")]}
+
+
+def test_a_registration_for_an_address_p_does_not_allow_never_reaches_the_writer():
+    now = [0.0]
+    flow, leases, drops = make(clock=lambda: now[0])
+    leases["r"] = 6.0
+    flow.granted("r")
+    assert flow.writer_batch({"stranger": [reg("r", host="127.0.0.2")]}) == {}
+    now[0] = 1.0
+    assert flow.writer_batch({}) == {}
+    flow.record(Recorder(), Stats())
+    assert [reason for reason, *_ in drops] == ["push_reg_not_allowed"]
+    assert flow.writer_batch({"d": [reg("r")]}) == {"d": [reg("r")]}  # the lease is still free for its real D
