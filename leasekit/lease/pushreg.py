@@ -10,13 +10,12 @@ forever (``_pending_d_registrations`` grows without bound), and one naming anoth
 there and WRITE the prompt's KV blocks to whoever listens. :class:`PushRegGuard` puts P's rules in front:
 
 - :func:`decode_push_reg` refuses, with a reason, anything but a msgpack map whose fields P uses have the
-  types and ranges vLLM writes (``request_id``, ``decode_engine_id``, ``decode_host`` an IP literal exactly as
-  vLLM's writer dials it, ``decode_port``, ``decode_tp_size``, ``local_block_ids`` naming at least one block)
+  types and ranges vLLM writes (``request_id``, ``decode_engine_id``, ``decode_host``, ``decode_port``, ``decode_tp_size``, ``local_block_ids`` naming at least one block)
   within a size ceiling;
 - a registration is acted on only for a lease P holds now (its request id, or the same id without vLLM's
   ``-<8 hex>`` suffix, as vLLM matches), only when ``decode_host`` is an allowed address (a side-channel
   peer of P's handshake listener, or ``leasekit_verdict_allow``), and only once per lease;
-- one that fails the lease or address rule is held (at most :data:`MAX_HELD`, each at most ``hold_s``
+- one that fails the lease or address rule is held (at most :data:`MAX_HELD` and :data:`MAX_HELD_BYTES`, each at most ``hold_s``
   seconds: the grant or the handshake may reach P's worker a step after D's registration) and dropped
   with its reason when the hold ends.
 
@@ -30,6 +29,7 @@ from __future__ import annotations
 import ipaddress
 import re
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -63,6 +63,30 @@ or a replay), ``push_reg_overflow`` (too many held at once). A failing ``live``/
 registration as ``internal_error`` (a reason of the notification intake's own)."""
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+_HOSTNAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}"
+                       r"[A-Za-z0-9])?)*")
+LOOPBACK_NAME = "localhost"
+"""vLLM's default ``VLLM_NIXL_SIDE_CHANNEL_HOST``: the one host name the guard maps to an address (127.0.0.1)."""
+MAX_HELD_BYTES = 16 << 20
+"""Bytes of registrations held at once (beyond it: ``push_reg_overflow``)."""
+
+
+def _is_ip_literal(text: str) -> bool:
+    if "%" in text:
+        return False
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
+def checked_address(host: str) -> str | None:
+    """The IP literal the address rule checks for ``decode_host``: itself, ``127.0.0.1`` for ``localhost``, or
+    None for any other host name (P cannot tell where a name leads without resolving it: not allowed)."""
+    if _is_ip_literal(host):
+        return host
+    return "127.0.0.1" if host.lower() == LOOPBACK_NAME else None
 
 
 @dataclass(frozen=True)
@@ -71,8 +95,8 @@ class PushReg:
 
     Attributes:
         request_id: D's request id (P matches it to its lease: same id, or same id without ``-<8 hex>``).
-        decode_engine_id: D's engine id. decode_host: D's side-channel address (an IP literal, as vLLM's
-        writer dials it). decode_port: D's side-channel port (1..65535). decode_tp_size: D's TP size (1..1024).
+        decode_engine_id: D's engine id. decode_host: D's side-channel host as vLLM's writer dials it (an IP
+        literal or a host name; only IP literals and ``localhost`` can pass the address rule). decode_port: D's side-channel port (1..65535). decode_tp_size: D's TP size (1..1024).
         blocks: how many KV block ids the registration names (all groups; at least 1).
     """
 
@@ -163,13 +187,9 @@ def decode_push_reg(msg: Any, *, max_bytes: int, decode: Callable[[bytes], Any] 
     for value in fields:
         if isinstance(value, PushRegError):
             return value
-    try:  # exactly what vLLM's writer will dial: no brackets, no zone, no name to resolve
-        if "%" in fields[2]:
-            raise ValueError("zone")
-        ipaddress.ip_address(fields[2])
-    except ValueError:
-        return PushRegError(BAD, "decode_host: must be an IP address literal without brackets or zone (D's "
-                                 "VLLM_NIXL_SIDE_CHANNEL_HOST)")
+    if not _is_ip_literal(fields[2]) and not _HOSTNAME.fullmatch(fields[2]):
+        return PushRegError(BAD, "decode_host: must be an IP address literal (no brackets or zone) or a host name "
+                                 "(D's VLLM_NIXL_SIDE_CHANNEL_HOST)")
     if fields[5] == 0:
         return PushRegError(BAD, "local_block_ids: must name at least one block id")
     return PushReg(fields[0], fields[1], fields[2], fields[3], fields[4], fields[5])
@@ -208,7 +228,9 @@ class PushRegGuard:
         self._live, self._allowed, self._decode = live, allowed, decode
         self.hold_s, self.max_bytes, self.max_held = float(hold_s), int(max_bytes), int(max_held)
         self._held: list[_Held] = []
+        self._held_bytes = 0
         self._matched: dict[str, None] = {}
+        self._forgotten: deque[str] = deque()  # engine thread -> writer thread, no lock taken
         self._lock = threading.Lock()
 
     @property
@@ -217,9 +239,9 @@ class PushRegGuard:
         return len(self._held)
 
     def forget(self, lease_id: str) -> None:
-        """``lease_id``'s lease ended (engine thread): a later registration for its id is unknown, not a repeat."""
-        with self._lock:
-            self._matched.pop(lease_id, None)
+        """``lease_id``'s lease ended (engine thread; never waits on the writer thread): a later registration for its
+        id is unknown, not a repeat. Applied at the next :meth:`filter`."""
+        self._forgotten.append(lease_id)
 
     def filter(self, regs: Iterable[tuple[str, bytes]], now: float
                ) -> tuple[list[tuple[str, bytes, PushReg, str]], list[tuple[str, str, str]]]:
@@ -235,16 +257,21 @@ class PushRegGuard:
         """
         accepted: list[tuple[str, bytes, PushReg, str]] = []
         dropped: list[tuple[str, str, str]] = []
+        decoded: list[tuple[str, bytes, PushReg]] = []
+        for agent, msg in regs:  # the costly part, outside the lock
+            reg = decode_push_reg(msg, max_bytes=self.max_bytes, decode=self._decode)
+            if isinstance(reg, PushRegError):
+                dropped.append((reg.reason, agent, reg.detail))
+            else:
+                decoded.append((agent, bytes(msg), reg))
         with self._lock:
-            held, self._held = self._held, []
+            while self._forgotten:
+                self._matched.pop(self._forgotten.popleft(), None)
+            held, self._held, self._held_bytes = self._held, [], 0
             for item in held:
                 self._safe_decide(item.agent, item.msg, item.reg, now, accepted, dropped, item)
-            for agent, msg in regs:
-                reg = decode_push_reg(msg, max_bytes=self.max_bytes, decode=self._decode)
-                if isinstance(reg, PushRegError):
-                    dropped.append((reg.reason, agent, reg.detail))
-                else:
-                    self._safe_decide(agent, bytes(msg), reg, now, accepted, dropped, None)
+            for agent, msg, reg in decoded:
+                self._safe_decide(agent, msg, reg, now, accepted, dropped, None)
         return accepted, dropped
 
     def _safe_decide(self, agent: str, msg: bytes, reg: PushReg, now: float, accepted: list, dropped: list,
@@ -259,9 +286,10 @@ class PushRegGuard:
         lease = self._live(reg.request_id)
         if lease is None:
             reason, detail = UNKNOWN_ID, f"no lease for request {reg.request_id!r}"
-        elif not self._allowed(reg.decode_host):
+        elif (address := checked_address(reg.decode_host)) is None or not self._allowed(address):
             reason, detail = NOT_ALLOWED, (f"decode_host {reg.decode_host} is not an allowed address (a side-channel "
-                                           "peer, or leasekit_verdict_allow)")
+                                           "peer, or leasekit_verdict_allow; a host name other than localhost never "
+                                           "is: set D's VLLM_NIXL_SIDE_CHANNEL_HOST to its IP address)")
         elif lease in self._matched:
             dropped.append((REPEAT, agent, f"lease {lease!r} already has a registration"))
             return
@@ -272,8 +300,9 @@ class PushRegGuard:
             accepted.append((agent, msg, reg, lease))
             return
         if held is None:
-            if len(self._held) >= self.max_held:
-                dropped.append((OVERFLOW, agent, f"{self.max_held} registrations held already"))
+            if len(self._held) >= self.max_held or self._held_bytes + len(msg) > MAX_HELD_BYTES:
+                dropped.append((OVERFLOW, agent, f"{len(self._held)} registrations ({self._held_bytes} bytes) held "
+                                f"already (at most {self.max_held}, {MAX_HELD_BYTES} bytes)"))
                 return
             held = _Held(agent, msg, reg, now + self.hold_s, reason)
         if now >= held.until_s:
@@ -281,3 +310,4 @@ class PushRegGuard:
         else:
             held.reason = reason
             self._held.append(held)
+            self._held_bytes += len(msg)

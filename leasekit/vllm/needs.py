@@ -163,6 +163,7 @@ _CLASSES_032 = (
         "_get_new_notifs": _SELF, "_reap_expired_send_leases": ("self", "done_sending"),
         "_send_heartbeats": ("self", "metadata"), "shutdown": _SELF, "_pop_done_transfers": ("self", "transfers"),
         "_xfer_blocks_for_req": ("self", "req_id", "meta"), "get_kv_connector_stats": _SELF,
+        "_handle_push_reg_notif": ("self", "notif"),
     }, attributes=(
         "_reqs_to_send", "_reqs_to_process", "_sending_transfers", "_sending_transfers_lock",
         "_pending_completion_notifs", "_recving_metadata", "xfer_stats", "nixl_wrapper", "kv_transfer_config",

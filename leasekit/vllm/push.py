@@ -58,6 +58,11 @@ if TYPE_CHECKING:
 from leasekit.vllm import PUSH_CONNECTOR_NAME  # noqa: E402  (re-exported)
 
 
+MIN_HOLD_S = 2.0
+"""Shortest wait, in seconds, of a registration for its lease or address before P drops it (at small L, H is
+shorter than a loaded P's engine step)."""
+
+
 class LeaseKitPushScheduler(LeaseKitSchedulerMixin, NixlPushConnectorScheduler):
     """The scheduler side of :class:`LeaseKitPushConnector`: vLLM's push scheduler with LeaseKit's part
     (:class:`leasekit.vllm.scheduler.LeaseKitSchedulerMixin`: block counts and trace headers of each lease, D's
@@ -76,10 +81,11 @@ class LeaseKitPushWorker(LeaseKitWorkerMixin, PHooks, DHooks, NixlPushConnectorW
 
     def _lk_setup_mode(self, timing: LeaseTiming, max_bytes: int) -> None:
         """The registration guard and the writer/engine-thread flow (:class:`leasekit.vllm.pushflow.PushFlow`),
-        attached to the notification tap; a registration waits at most the heartbeat interval H for its lease or
-        its address (the grant and the side-channel peer reach the worker one engine step after they happen)."""
+        attached to the notification tap; a registration waits at most ``max(H, MIN_HOLD_S)`` seconds for its lease
+        or its address (the grant and the side-channel peer reach the worker one engine step after they happen)."""
         self._lk_flow = PushFlow(self._reqs_to_send, allowed=self._lk_p.replies.allowed,
-                                 hold_s=timing.heartbeat_interval_s, max_bytes=max_bytes, drop=self._lk_p.intake.drop)
+                                 hold_s=max(timing.heartbeat_interval_s, MIN_HOLD_S), max_bytes=max_bytes,
+                                 drop=self._lk_p.intake.drop)
         self._lk_tap.flow = self._lk_flow
         self._lk_late: list[str] = []
         self._lk_failed: list[str] = []
@@ -92,6 +98,18 @@ class LeaseKitPushWorker(LeaseKitWorkerMixin, PHooks, DHooks, NixlPushConnectorW
             for req_id in metadata.reqs_to_send:
                 if req_id in self._reqs_to_send:
                     self._lk_flow.granted(req_id)
+
+    def _handle_push_reg_notif(self, notif: bytes) -> None:
+        """vLLM's handling of one accepted registration (writer thread), alone: a registration vLLM's WRITE set-up
+        raises on (block or group counts P cannot match) is dropped (``internal_error``) instead of losing the rest
+        of the writer's batch (vLLM's loop catches only around the whole batch)."""
+        if not self._lk_ready:
+            return super()._handle_push_reg_notif(notif)
+        try:
+            super()._handle_push_reg_notif(notif)
+        except Exception as exc:
+            self._lk_flow.writer_drop("internal_error", "", f"vLLM's writer raised on a registration: "
+                                                            f"{type(exc).__name__}: {exc}"[:200])
 
     def _xfer_blocks_for_req(self, req_id: str, meta: Any) -> None:
         """vLLM's WRITE submission (writer thread), then the WRITE noted for the engine thread."""
@@ -179,8 +197,11 @@ class LeaseKitPushConnector(NixlPushConnector):
     ``kv_lease_duration`` or ``leasekit_*`` value out of range at start)."""
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
-        # Same as NixlPushConnector.__init__, with our scheduler/worker classes.
+        # Same as NixlPushConnector.__init__ (its refusal included), with our scheduler/worker classes.
         NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
+        if vllm_config.parallel_config.decode_context_parallel_size > 1:
+            raise ValueError("LeaseKitPushConnector (as vLLM's NixlPushConnector) does not support "
+                             "decode_context_parallel_size > 1; fix: use pull mode (LeaseKitConnector)")
         if role == KVConnectorRole.SCHEDULER:
             self.connector_scheduler = LeaseKitPushScheduler(vllm_config, self.engine_id, kv_cache_config)
             self.connector_worker = None

@@ -88,6 +88,10 @@ class PushFlow:
             out.setdefault(agent, []).append(msg)
         return out
 
+    def writer_drop(self, reason: str, agent: str, detail: str) -> None:
+        """Queue one registration the writer thread dropped (counted and logged on the engine thread)."""
+        self._dropped.append((reason, agent, detail))
+
     def issued(self, req_id: str, handles: int) -> None:
         """vLLM's writer issued ``handles`` WRITE transfers for lease ``req_id`` (writer thread)."""
         self._issued.append((req_id, self._clock(), self._agents.pop(req_id, "")))

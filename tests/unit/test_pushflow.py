@@ -64,8 +64,8 @@ def test_the_writer_sees_only_accepted_registrations_and_the_engine_thread_the_r
     assert flow.take_notifications() == {}
     recorder, stats = Recorder(), Stats()
     flow.record(recorder, stats)
-    assert [(reason, agent) for reason, agent, _ in drops] == [("push_reg_repeat", "stranger"),
-                                                                ("bad_push_reg", "stranger")]
+    assert [(reason, agent) for reason, agent, _ in drops] == [("bad_push_reg", "stranger"),  # decoded first
+                                                                ("push_reg_repeat", "stranger")]
     now[0] = 1.0  # the unknown one waited its hold (H) for a grant that never came
     assert flow.writer_batch({}) == {}
     flow.record(recorder, stats)

@@ -4,6 +4,7 @@ encoded as vLLM's NixlPushConnector encodes them (``b"PUSH_REG:" + msgspec.msgpa
 :class:`PushRegGuard` with a fake clock (plain floats) and ``live`` / ``allowed`` backed by a dict and a set."""
 
 import ipaddress
+import re
 import threading
 import time
 
@@ -177,8 +178,8 @@ BAD_FIELDS = [(f, _DELETE) for f in USED] + [
     ("request_id", "cmpl\x00-1"), ("request_id", "cmpl-1\n"), ("request_id", "\x1bcmpl"), ("request_id", "a\x7f"),
     ("request_id", "a\x85b"),
     ("decode_engine_id", 7), ("decode_engine_id", ""), ("decode_engine_id", "eng\td"),
-    ("decode_host", 167772162), ("decode_host", ""), ("decode_host", "10.0.0.2\n"), ("decode_host", "localhost"),
-    ("decode_host", "example.com"), ("decode_host", "10.0.0"), ("decode_host", "10.0.0.256"),
+    ("decode_host", 167772162), ("decode_host", ""), ("decode_host", "10.0.0.2\n"), ("decode_host", "-bad.example"),
+    ("decode_host", "a..b"), ("decode_host", "under_score.example"),
     ("decode_host", "1" * 65), ("decode_host", "[]"), ("decode_host", " 10.0.0.2"),
     ("decode_port", 0), ("decode_port", 65536), ("decode_port", -1), ("decode_port", 2**64 - 1),
     ("decode_port", True), ("decode_port", "5600"), ("decode_port", 5600.0), ("decode_port", None),
@@ -276,8 +277,10 @@ def _ip(text):
 
 
 def _host_strictly_ok(v):
-    """An IP literal exactly as vLLM's writer dials it: no brackets, no zone."""
-    return _text_ok(v, 64) and "%" not in v and _ip(v)
+    """An IP literal exactly as vLLM's writer dials it (no brackets, no zone), or a host name."""
+    return _text_ok(v, 64) and (("%" not in v and _ip(v)) or bool(re.fullmatch(
+        r"(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*",
+        v)))
 
 
 @FUZZ
@@ -590,3 +593,20 @@ def test_fuzz_guard_conserves_and_keeps_rules(steps, hold_s, max_held, max_bytes
             taken.add(lease)
     if hold_s == 0:
         assert guard.held == 0
+
+
+@pytest.mark.parametrize("host, allowed_as", [("localhost", "127.0.0.1"), ("LOCALHOST", "127.0.0.1"),
+                                              ("d-0.decode.svc.cluster.local", None), ("10.0.0.256", None)])
+def test_host_names_decode_but_only_localhost_can_pass_the_address_rule(host, allowed_as):
+    """vLLM's default side-channel host is ``localhost``: checked as 127.0.0.1. Any other name is never allowed (P
+    cannot tell where it leads without resolving it), whatever the allowlist holds."""
+    reg = decode(notif(decode_host=host))
+    assert isinstance(reg, PushReg) and reg.decode_host == host
+    asked = []
+    guard = PushRegGuard(live=lambda rid: "L", allowed=lambda a: asked.append(a) or True, hold_s=0.0,
+                         max_bytes=1 << 20)
+    accepted, dropped = guard.filter([("d", notif(decode_host=host))], now=0.0)
+    if allowed_as is None:
+        assert not accepted and dropped[0][0] == "push_reg_not_allowed" and asked == []
+    else:
+        assert [lease for *_, lease in accepted] == ["L"] and asked == [allowed_as]
