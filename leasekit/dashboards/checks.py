@@ -17,7 +17,9 @@ from typing import Any
 import yaml
 
 from leasekit.dashboards.promql import PromQLError, parse_names, unknown_functions, variable_query_metrics
-from leasekit.telemetry.metrics import LEASEKIT_METRICS, MODE_LABEL, VLLM_ENGINE_LABELS, VLLM_NIXL_METRICS, exported_series_names
+from leasekit.telemetry.metrics import (
+    LEASEKIT_METRICS, MODE_LABEL, TRANSFER_MODES, VLLM_ENGINE_LABELS, VLLM_NIXL_METRICS, exported_series_names,
+)
 
 PROMETHEUS_SERIES = frozenset({"up", "ALERTS", "ALERTS_FOR_STATE"})
 """Series Prometheus itself writes, allowed in any expression."""
@@ -69,6 +71,18 @@ def expression_problems(expr: str, where: str, allowed: frozenset[str]) -> list[
         problems += [f"{where}: label {label!r} is on none of {', '.join(sorted(parsed.metrics))}"
                      for label in sorted(parsed.labels - carried)]
     return problems
+
+
+def expression_modes(expr: str) -> frozenset[str]:
+    """The transfer modes (``pull``, ``push``) whose servers export every LeaseKit series ``expr`` reads
+    (:attr:`leasekit.telemetry.metrics.MetricSpec.modes`): the modes in which a panel can show data. An
+    expression reading no LeaseKit series gets every mode. Raises :class:`PromQLError` on unparseable text."""
+    modes = set(TRANSFER_MODES)
+    names = parse_names(expr).metrics
+    for spec in LEASEKIT_METRICS:
+        if names & set(spec.sample_names):
+            modes &= set(spec.modes)
+    return frozenset(modes)
 
 
 def iter_panels(dashboard: dict[str, Any]) -> Iterator[dict[str, Any]]:

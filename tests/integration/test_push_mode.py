@@ -19,9 +19,11 @@ What these tests pin down:
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 import uuid
+from pathlib import Path
 
 import httpx
 import msgspec
@@ -31,12 +33,16 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from leasekit.chaos.peer import NixlPeer
 from leasekit.cluster.pair import PairSpec, PDPair
+from leasekit.cluster.prometheus import PrometheusServer
 from leasekit.cluster.serverspec import SERVED_MODEL_NAME
+from leasekit.dashboards.checks import expression_modes, panel_queries
+from leasekit.dashboards.promql import substitute_grafana_vars
 from leasekit.telemetry import semconv as sc
 from leasekit.telemetry.spanfile import read_span_dir
 from tests.prefetch import PREFETCH
 
 pytestmark = pytest.mark.pair
+ROOT = Path(__file__).resolve().parents[2]
 L = 6
 TOKENS = 8
 SPEC = PairSpec.pinned(prefill_connector="stock", decode_connector="stock", transfer_mode="push", lease_duration_s=L,
@@ -257,3 +263,28 @@ def test_leasekit_p_refuses_strangers_and_malformed_push_regs_and_keeps_serving(
     assert counts["bad_push_reg"] >= 4
     again = pair.router.generate(pair.prompt(40), TOKENS)  # P (and its writer thread) still serve
     assert again.decode is not None and again.decode.ok
+
+
+def test_push_only_dashboard_panels_show_data_from_a_real_prometheus(lk_push_pair, tmp_path):
+    """A real Prometheus scrapes the LeaseKit push pair while it serves: the dashboard's push-only panels (P's WRITEs by
+    outcome, D's late WRITE notifications; a pull pair exports neither, see test_prometheus.py) return data, and the
+    ``done`` WRITEs of the served requests show as a positive rate."""
+    pair = lk_push_pair
+    board = json.loads((ROOT / "dashboards" / "lease-health.json").read_text())
+    queries = [(where, substitute_grafana_vars(expr, {"job": ".+", "instance": ".+", "__rate_interval": "30s"}))
+               for where, expr in panel_queries(board) if expression_modes(expr) == {"push"}]
+    assert queries, "the dashboard has no push-only panel"
+    host = lambda server: server.url.removeprefix("http://")  # noqa: E731
+    with PrometheusServer(tmp_path / "prometheus", {"vllm-prefill": [host(pair.prefill)],
+                                                   "vllm-decode": [host(pair.decode)]}) as prom:
+        assert prom.wait_for(lambda: set(prom.targets_up().values()) == {"up"}, 30), prom.targets_up()
+        t0 = time.time()
+        for _ in range(3):
+            served = pair.router.generate(pair.prompt(32), 2)
+            assert served.decode is not None and served.decode.ok
+            time.sleep(1.5)
+        done_rate = 'sum(rate(leasekit_kv_lease_push_writes_total{outcome="done", mode="push"}[30s]))'
+        assert prom.wait_for(lambda: (r := prom.query(done_rate)) and float(r[0]["value"][1]) > 0, 30), \
+            prom.query("leasekit_kv_lease_push_writes_total")
+        empty = [f"{where}: {expr}" for where, expr in queries if not prom.query_range(expr, t0, time.time(), 1.0)]
+    assert not empty, "push-only panel queries without data:\n" + "\n".join(empty)

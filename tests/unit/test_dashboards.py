@@ -12,7 +12,9 @@ import pytest
 import yaml
 
 from leasekit.dashboards import build, checks, default_out_dir, lease_health, register, rules
-from leasekit.dashboards.checks import dashboard_problems, iter_panels, promtool_test_problems, rules_problems
+from leasekit.dashboards.checks import (
+    dashboard_problems, expression_modes, iter_panels, panel_queries, promtool_test_problems, rules_problems,
+)
 from leasekit.dashboards.panels import Query, timeseries
 from leasekit.dashboards.promql import metric_names, tokenize
 from leasekit.dashboards.queries import DASHBOARD_FILTER
@@ -345,3 +347,18 @@ def test_out_that_is_a_file_is_a_usage_error(tmp_path, capsys):
     args = _parser().parse_args(["dashboards", "build", "--out", str(target)])
     assert args.func(args) == 2
     assert "is not a directory" in capsys.readouterr().err
+
+
+def test_expression_modes_name_the_modes_whose_servers_export_every_series_read():
+    assert expression_modes('sum(rate(leasekit_kv_lease_grants_total[1m]))') == {"pull", "push"}
+    assert expression_modes('sum(rate(leasekit_kv_lease_push_writes_total{outcome="done"}[1m]))') == {"push"}
+    assert expression_modes('rate(leasekit_kv_lease_push_late_writes_total[1m]) + '
+                            'rate(leasekit_kv_lease_grants_total[1m])') == {"push"}
+    assert expression_modes("up") == {"pull", "push"}
+
+
+def test_the_committed_dashboard_has_push_only_panels_and_no_pull_only_ones():
+    """Push-only panels get data only from push pairs (checked on a real push pair); a pull pair checks the rest."""
+    board = json.loads((DASHBOARDS / "lease-health.json").read_text())
+    modes = [expression_modes(expr) for _, expr in panel_queries(board)]
+    assert {"push"} in modes and {"pull"} not in modes and all(modes)
