@@ -10,8 +10,9 @@ import httpx
 
 from leasekit.chaos import FAIL, PASS, UNKNOWN
 from leasekit.chaos.actions import Effect, FaultRun, not_injectable
-from leasekit.chaos.checks import (CheckResult, check_all_served, check_bounded_reclaim, check_conservation,
-                                   check_fail_closed, check_liveness, check_no_expiry, check_steady_state)
+from leasekit.chaos.checks import (CheckResult, check_all_served, check_bounded_reclaim, check_fail_closed, check_no_expiry,
+                                   check_steady_state)
+from leasekit.chaos.endchecks import check_conservation, check_decode_conservation, liveness_after
 from leasekit.chaos.evidence import ClockMismatch, Evidence, EvidenceReader
 from leasekit.chaos.faults.onhost import host_of, monotonic_offset_on_host
 from leasekit.chaos.plot import plot_timeline
@@ -52,7 +53,8 @@ class ScenarioExecution:
         load = QueuedDecodeLoad(self.pair, w.requests, w.prompt_tokens, w.decode_tokens, kind=w.kind,
                                 cancel_queued_fraction=w.cancel_queued_fraction, never_decode_fraction=w.never_decode_fraction,
                                 cancel_after_s=cancel_after, decode_slots=self.s.topology.decode_max_num_seqs,
-                                min_queue_wait_s=float(self.timing.lease_duration_s), queue_wait_s=w.queue_wait_s)
+                                min_queue_wait_s=float(self.timing.lease_duration_s), queue_wait_s=w.queue_wait_s,
+                                answer_within_s=w.answer_within_s)
         self.load = load
         return load
 
@@ -262,17 +264,13 @@ class ScenarioExecution:
                 except ClockMismatch as exc:
                     checks.append(CheckResult("fail-closed", UNKNOWN, str(exc)))
             elif name == "conservation":
-                checks.append(check_conservation(self._kv_usage_settled(), evidence.open_ids, waited_s=self._settle_s))
+                checks.append(check_conservation(self._kv_usage_settled(self.pair.prefill), evidence.open_ids,
+                                                 waited_s=self._settle_s))
+            elif name == "decode_conservation":
+                usage = None if run.d_killed else self._kv_usage_settled(self.pair.decode)
+                checks.append(check_decode_conservation(usage, waited_s=self._settle_s, decode_killed=run.d_killed))
             elif name == "liveness":
-                unanswered = [load.request_id(i) for i, x in load.intent.items() if x != "never" and i not in load.decodes]
-                healthy = self.pair.decode.healthy() if not run.d_killed else None
-                fresh = None
-                if not run.d_killed and self.pair.router is not None:
-                    fresh = self.pair.router.generate(self.pair.prompt(), 2).decode
-                    fresh = bool(fresh and fresh.ok)
-                answers = {load.request_id(i): f"HTTP {d.status} after {d.latency_s:.1f} s" + (f" ({(d.error or '')[:80]})" if not d.ok else "")
-                           for i, d in load.decodes.items()}
-                checks.append(check_liveness(unanswered, healthy, fresh, answers))
+                checks.append(liveness_after(load, self.pair, decode_killed=run.d_killed))
         return checks
 
     def _recompute_matches(self, discarded: dict[str, str]) -> dict[str, bool | None]:
@@ -293,16 +291,16 @@ class ScenarioExecution:
 
     _settle_s = 0.0
 
-    def _kv_usage_settled(self) -> float | None:
-        """P's KV-cache usage once leases could all have ended (polls up to ``L + E + 5`` s)."""
+    def _kv_usage_settled(self, server) -> float | None:
+        """``server``'s (P's or D's) KV-cache usage once leases could all have ended (polls up to ``L + E + 5`` s)."""
         deadline = time.monotonic() + float(self.timing.lease_duration_s) + float(self.timing.extension_s) + 5
         start = time.monotonic()
         value = None
         while time.monotonic() < deadline:
             try:
-                value = self.pair.prefill.metrics().get("vllm:kv_cache_usage_perc")
+                value = server.metrics().get("vllm:kv_cache_usage_perc", value)
             except httpx.HTTPError:
-                value = None
+                pass  # keep the last reading: one failed scrape does not erase a measured leak
             if value == 0:
                 break
             time.sleep(0.5)

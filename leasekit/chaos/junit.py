@@ -22,7 +22,7 @@ import re
 import socket
 import xml.etree.ElementTree as ET
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -53,6 +53,8 @@ class JUnitCase:
         measured: the measured value (seconds or text), or None.
         reason: one line: why this verdict.
         evidence: free text (per-lease table, log excerpts) for ``system-out``.
+        properties: ``name -> value`` written as ``testcase/properties/property`` (the conformance matrix's other
+            axes, e.g. ``transfer_mode`` = ``pull``/``push``), sorted by name; empty values are left out.
     """
 
     name: str
@@ -63,6 +65,7 @@ class JUnitCase:
     measured: float | str | None = None
     reason: str = ""
     evidence: str = ""
+    properties: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_mapping(cls, data: Mapping) -> "JUnitCase":
@@ -83,6 +86,7 @@ class JUnitCase:
             measured=data.get("measured"),
             reason=str(data.get("reason", "") or ""),
             evidence=str(data.get("evidence", "") or ""),
+            properties={str(k): str(v) for k, v in dict(data.get("properties") or {}).items()},
         )
 
 
@@ -179,6 +183,11 @@ def write_junit(
         el = ET.SubElement(suite, "testcase", {
             "classname": _clean(case.target), "name": _clean(case.name), "time": f"{_seconds(case.duration_s):.3f}",
         })
+        props = [(k, v) for k, v in sorted(case.properties.items()) if v]
+        if props:
+            holder = ET.SubElement(el, "properties")
+            for key, value in props:
+                ET.SubElement(holder, "property", {"name": _clean(key), "value": _clean(value)})
         message = _message(case)
         if case.verdict == FAIL:
             ET.SubElement(el, "failure", {"message": message, "type": FAIL}).text = _clean(case.reason)

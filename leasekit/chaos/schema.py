@@ -19,7 +19,7 @@ from leasekit.lease.config import LeaseTiming
 TARGETS = ("leasekit", "stock")
 """Conformance targets: LeaseKitConnector on P and D, or vLLM's stock NixlConnector on P and D."""
 
-CHECKS = ("bounded_reclaim", "no_expiry", "all_served", "fail_closed", "liveness", "conservation")
+CHECKS = ("bounded_reclaim", "no_expiry", "all_served", "fail_closed", "liveness", "conservation", "decode_conservation")
 """Checks a scenario can ask for (see leasekit.chaos.checks)."""
 
 
@@ -82,6 +82,9 @@ class WorkloadSection(Strict):
     (seconds, or lease-relative such as ``"2L"``); the run then sizes each request's decode from D's
     decode step time measured just before, at most ``decode_tokens`` tokens (None: always
     ``decode_tokens``), so the overload lasts about as long on a fast GPU D as on a CPU D.
+    ``answer_within_s``: each routed request not meant to be cancelled gives up (its client disconnects, so D
+    aborts it) after this long; one that got no HTTP answer by then counts as never answered for ``liveness``
+    (None: wait for every answer; a hung request then holds its client until the run's decode wait ends).
     """
 
     kind: Literal["queued", "overload", "abort_storm"] = "queued"
@@ -91,6 +94,7 @@ class WorkloadSection(Strict):
     hold_decode_slot_s: lease_seconds(gt=0, le=3600, optional=True) = None
     cancel_after_s: lease_seconds(gt=0, le=600, optional=True) = None
     queue_wait_s: lease_seconds(gt=0, le=3600, optional=True) = None
+    answer_within_s: lease_seconds(gt=0, le=3600, optional=True) = None
     prefill_rps: float = Field(0, ge=0, le=50)
     cancel_queued_fraction: float = Field(0.0, ge=0, le=1)
     never_decode_fraction: float = Field(0.0, ge=0, le=1)
@@ -195,8 +199,8 @@ class ExpectSection(Strict):
 
     leasekit: Literal["PASS", "FAIL", "UNKNOWN"] = "PASS"
     stock: Literal["PASS", "FAIL", "UNKNOWN"] = "PASS"
-    checks: list[Literal["bounded_reclaim", "no_expiry", "all_served", "fail_closed", "liveness", "conservation"]] = Field(min_length=1)
-    failing_checks: list[Literal["bounded_reclaim", "no_expiry", "all_served", "fail_closed", "liveness", "conservation"]] = Field(default_factory=list)
+    checks: list[Literal["bounded_reclaim", "no_expiry", "all_served", "fail_closed", "liveness", "conservation", "decode_conservation"]] = Field(min_length=1)
+    failing_checks: list[Literal["bounded_reclaim", "no_expiry", "all_served", "fail_closed", "liveness", "conservation", "decode_conservation"]] = Field(default_factory=list)
     known_defect_leasekit: str | None = None
     known_defect_stock: str | None = None
 

@@ -93,6 +93,12 @@ def _leaves_decode_dead(scenario: Scenario) -> bool:
     return any(isinstance(f, KillFault) and f.target == "decode" and f.restart_after_s is None for f in scenario.faults)
 
 
+def _left_d_dirty(result: ScenarioResult) -> bool:
+    """The run left D with requests that never ended or KV blocks it never freed (a failed ``liveness`` or
+    ``decode-conservation`` check): the next scenario gets a fresh pair, not one whose D still holds them."""
+    return any(c.name in ("liveness", "decode-conservation") and c.verdict == FAIL for c in result.checks)
+
+
 def plan(scenarios: list[Scenario], targets: list[str] | None = None) -> list[tuple[Scenario, str]]:
     """The run order: per target, scenarios sharing launch conditions together (plain pairs first),
     and within a group the ones that kill a server last."""
@@ -179,7 +185,7 @@ class Suite:
             self._current = None
             raise
         self._current = None
-        self.pool.release(reusable=not _destructive(scenario) or scenario.launch.warm_up)
+        self.pool.release(reusable=(not _destructive(scenario) or scenario.launch.warm_up) and not _left_d_dirty(result))
         return result
 
     PREFETCH_PAIRS = 3
@@ -323,6 +329,7 @@ class Suite:
                     reason=f"{r.verdict} (expected {r.expected}): {r.summary}"
                            + (f" [known defect: {r.known_defect}]" if r.known_defect and r.expected == FAIL else ""),
                     evidence="\n".join(f"{c.name}: {c.verdict} - {c.summary}" for c in r.checks),
+                    properties={"transfer_mode": r.mode},
                 )
                 for r in self.results
             ]

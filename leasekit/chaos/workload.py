@@ -182,7 +182,8 @@ class QueuedDecodeLoad:
     (``queued``/``abort_storm``) or behind each other on D's one free slot (``overload``).
 
     ``decode_slots``: D's ``--max-num-seqs`` (1..256). ``cancel_after_s``: seconds after routing a
-    cancelled request's client gives up. ``min_queue_wait_s``: for ``overload``, how long (seconds,
+    cancelled request's client gives up. ``answer_within_s``: seconds after routing every other request's client
+    gives up (None: never). ``min_queue_wait_s``: for ``overload``, how long (seconds,
     the scenario's ``L``) some request must have waited for its answer for the overload to count.
     ``queue_wait_s``: for ``overload``, size the decodes (at most ``decode_tokens``) so the last
     request waits about this long (seconds), from D's step time measured at :meth:`start`
@@ -203,6 +204,7 @@ class QueuedDecodeLoad:
     decode_slots: int = 1
     min_queue_wait_s: float | None = None
     queue_wait_s: float | None = None
+    answer_within_s: float | None = None
     decode_step_s: float | None = None
     holder: SlotHolder | None = None
     prefills: list[PrefillResult] = field(default_factory=list)
@@ -284,7 +286,7 @@ class QueuedDecodeLoad:
                                                           self.decode_step_s, most)
             if self.intent[index] == "never":
                 continue
-            timeout = self.cancel_after_s if self.intent[index] == "cancel" else None
+            timeout = self.cancel_after_s if self.intent[index] == "cancel" else self.answer_within_s
             thread = threading.Thread(target=self._decode, args=(index, prompt, prefill, timeout), name=f"decode-{index}", daemon=True)
             thread.start()
             self._threads.append(thread)

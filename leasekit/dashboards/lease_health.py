@@ -98,10 +98,11 @@ def _lifecycle() -> list[Builder]:
         timeseries("Pledge hold p50 / p99 (P)", m.PLEDGE_HOLD.help,
                    [Query(quantile(q, _bucket(m.PLEDGE_HOLD), I, W, F), f"{{{{instance}}}} p{p}")
                     for q, p in ((0.5, 50), (0.99, 99))], "s", width=12),
-        timeseries("Push mode: WRITEs by outcome (P), late WRITEs (D)",
-                   m.PUSH_WRITES_METRIC.help + " D: " + m.PUSH_LATE_WRITES.help,
+        timeseries("Push mode: WRITEs by outcome (P), late WRITEs and withheld registrations (D)",
+                   m.PUSH_WRITES_METRIC.help + " D: " + m.PUSH_LATE_WRITES.help + " D: " + m.PUSH_WITHHELD.help,
                    [Query(sum_rate(_c(m.PUSH_WRITES_METRIC), I + ", outcome", W, F), "{{instance}} {{outcome}}"),
-                    Query(sum_rate(_c(m.PUSH_LATE_WRITES), I, W, F), "{{instance}} late WRITE notifications (D)")],
+                    Query(sum_rate(_c(m.PUSH_LATE_WRITES), I, W, F), "{{instance}} late WRITE notifications (D)"),
+                    Query(sum_rate(_c(m.PUSH_WITHHELD), I, W, F), "{{instance}} registrations withheld (D)")],
                    "ops", width=12),
     ]
 

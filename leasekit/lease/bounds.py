@@ -75,6 +75,29 @@ def safe_stall_s(timing: LeaseTiming) -> float:
     return float(max(0.0, timing.extension_s - timing.heartbeat_interval_s))
 
 
+def silence_may_expire(silence_s: float, timing: LeaseTiming) -> bool:
+    """Whether D, having sent no heartbeat naming a lease for ``silence_s`` seconds (its longest such interval
+    since it began heartbeating the request, the one still open included), must assume P may have reclaimed it.
+
+    P reclaims at ``max(grant + L, last delivered heartbeat + E)`` (vllm ``nixl`` ``_reap_expired``), so while
+    every silence on D's side is shorter than ``E`` less the spread of delivery delays, P's silences are shorter
+    than ``E`` and the lease lives. The threshold allows that spread ``H / 2``, or less where the loss budget's
+    silence ``(budget + 1) * H`` (:func:`loss_budget`, which never expires a lease) comes closer to ``E``: then it is
+    halfway between the two (at L = 6: 3.5 s; L = 20: 12.5 s; L = 30: 17.5 s). True when
+    ``silence_s >= max(E - H / 2, ((budget + 1) * H + E) / 2)`` (``E`` itself when ``H`` is 0). It can be true
+    of a lease that still lives (``grant + L`` covers an early silence): acting on it is safe, never wrong.
+
+    Raises:
+        ValueError: ``silence_s`` negative or not finite.
+    """
+    silence = _finite("silence_s", silence_s, minimum=0.0)
+    H, E = timing.heartbeat_interval_s, timing.extension_s
+    if H <= 0 or E <= H:
+        return silence >= E
+    budget_silence = (loss_budget(timing) + 1) * H
+    return silence >= max(E - H / 2, (budget_silence + E) / 2)
+
+
 def loss_budget(timing: LeaseTiming) -> int:
     """How many consecutive heartbeats can be lost without a (healthy) lease expiring.
 

@@ -20,7 +20,7 @@ class Message:
     dst: str
     payload: bytes
     sent_at_s: float
-    kind: str  # "heartbeat" | "completion" | "other"
+    kind: str  # "heartbeat" | "completion" | "push_reg" (push mode: to P's writer thread) | "other"
     seq: int = 0
 
 

@@ -7,6 +7,8 @@ prefills, then per rank drain the inbox and reap (:meth:`PLeaseTable.step`). D s
 ``d_tick_s`` while alive and not stalled: enqueue arrivals (heartbeat tracking starts here), admit
 under its rate and slot limits, finish reads (completions to every mapped P rank), send due
 heartbeat batches to every mapped P rank. Everything observable is recorded for the checkers.
+With ``transfer_mode="push"`` D registers at admission and P WRITEs instead (:mod:`leasekit.sim.push`:
+``self.push`` is P's side, ``self.push_d`` D's; both None in pull mode, whose behaviour is unchanged).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from leasekit.lease.topology import consumers_per_prefill_rank, prefill_ranks_fo
 from leasekit.lease.tracker import DHeartbeatTracker
 from leasekit.sim.blocks import BlockPool, BlockRef
 from leasekit.sim.bus import Message, NotificationBus
+from leasekit.sim.push import PushD, PushP
 from leasekit.sim.records import LeaseRecord, RequestRecord, RequestSpec, WorldConfig
 
 _DELIVER, _CALL, _D_STEP, _P_STEP = 0, 1, 2, 3
@@ -31,12 +34,17 @@ def _next(t: float, tick: float) -> float:
 
 
 class World:
-    """Build with a :class:`WorldConfig`, add requests and faults, :meth:`run`, then read records."""
+    """Build with a :class:`WorldConfig`, add requests and faults, :meth:`run`, then read records.
+
+    ``push_factory``: builds P's push side from the world (push mode; mutants subclass :class:`PushP`).
+    Raises ValueError: ``track_on`` or ``config.transfer_mode`` unknown."""
 
     def __init__(self, config: WorldConfig, *, table_factory=PLeaseTable, tracker_factory=DHeartbeatTracker,
-                 track_on: str = "enqueue"):
+                 track_on: str = "enqueue", push_factory=PushP):
         if track_on not in ("enqueue", "admit"):
             raise ValueError(f"track_on must be 'enqueue' or 'admit', got {track_on!r}")
+        if config.transfer_mode not in ("pull", "push"):
+            raise ValueError(f"transfer_mode must be 'pull' or 'push', got {config.transfer_mode!r}")
         self.config = config
         self.rng = random.Random(config.seed)
         self.bus = NotificationBus(latency_s=config.latency_s)
@@ -64,13 +72,17 @@ class World:
             "decode_errors", "handshake_failures")}
         self.reaper_violations: list[str] = []
         self.p_steps_local: list[float] = []
+        self.push = push_factory(self) if config.transfer_mode == "push" else None
+        self.push_d = PushD(self) if self.push is not None else None
         self._new_d_engine(0)
         self._schedule(0.0, _P_STEP, None)
         self._schedule(0.0, _D_STEP, self.d_generation)
 
     # -- set-up ----------------------------------------------------------------------------
     def add(self, spec: RequestSpec) -> RequestRecord:
-        """Add a request (before :meth:`run`)."""
+        """Add a request (before :meth:`run`). Raises ValueError: push-only fields in a pull world."""
+        if self.push is None and (spec.d_abort_at_s is not None or spec.write_s is not None or spec.stray_completion):
+            raise ValueError(f"{spec.req_id}: d_abort_at_s, write_s and stray_completion need transfer_mode='push'")
         record = RequestRecord(spec)
         self.requests[spec.req_id] = record
         return record
@@ -107,7 +119,10 @@ class World:
             self.now = t
             if kind == _DELIVER:
                 rank, msg = payload
-                self.inbox[rank].append(msg)
+                if msg.kind == "push_reg":
+                    self.push.on_reg(rank, msg, t)  # P's writer thread, at once
+                else:
+                    self.inbox[rank].append(msg)
                 self.bus.stats["delivered"] += 1
                 self._note_arrival(rank, msg, t)
             elif kind == _P_STEP:
@@ -154,11 +169,15 @@ class World:
             stale = [l.req_id for l in table.leases() if l.deadline_s <= local]
             if stale:
                 self.reaper_violations.append(f"t={t:.3f} rank {rank}: expired leases left after reap: {stale}")
+        if self.push is not None:
+            self.push.p_step(t, local)  # WRITEs done since: after the drain and the reap
         self._schedule(nxt, _P_STEP, None)
 
     def _table_step(self, table, local, decoded):
         if self.config.fixed_timeout_s is not None:  # the old behaviour: heartbeats do nothing
             decoded = [(src, m) for src, m in decoded if not isinstance(m, Heartbeat)]
+        if self.push is not None:
+            decoded = self.push.table_notifications(decoded)
         return table.step(local, decoded)
 
     def _grant(self, record: RequestRecord, t: float, local: float) -> None:
@@ -181,7 +200,7 @@ class World:
 
     def _on_end(self, rank: int, end: LeaseEnd, t: float, local: float) -> None:
         lease = self.leases.get((end.req_id, rank))
-        if lease is None:
+        if lease is None or (self.push is not None and self.push.hold_free(rank, end, t, local)):
             return
         lease.frees += 1
         if lease.end_true is None:
@@ -245,7 +264,7 @@ class World:
         local = self.config.d_clock.local(t)
         if not self.handshaken and (self.waiting or self.running):
             self._handshake(t)
-        self._finish_reads(t)
+        self._finish_reads(t) if self.push_d is None else self.push_d.step(t)
         if self.handshaken:
             self._admit(t)
         for engine, ids in self.tracker.due(local).items():
@@ -288,6 +307,9 @@ class World:
             record.admitted_true = t
             if self.track_on == "admit":
                 self._track(record)
+            if self.push_d is not None:
+                self.push_d.admit(record, t)
+                continue
             done_at = t if record.spec.prefix_hit else t + self.config.read_s
             self.running.append((done_at, record))
             if record.spec.prefix_hit:

@@ -22,9 +22,12 @@ from leasekit.telemetry.tracecontext import parent_context
 @dataclass(slots=True)
 class _Tracked:
     span: trace.Span
+    tracked_s: float
+    decode_request_id: str | None = None
     sent: int = 0
     first_s: float | None = None
     last_s: float | None = None
+    longest_silence_s: float = 0.0
 
 
 class HeartbeatSpanRecorder:
@@ -44,6 +47,7 @@ class HeartbeatSpanRecorder:
         self._kv_role = kv_role
         self._clock = clock
         self._tracked: dict[str, _Tracked] = {}
+        self._by_decode: dict[str, str] = {}  # D request id -> P request id, for the tracked ones
 
     @property
     def tracked(self) -> int:
@@ -68,7 +72,9 @@ class HeartbeatSpanRecorder:
         span = self._tracer.start_span(sc.HEARTBEATS_SPAN_NAME, context=parent_context(trace_headers),
                                        attributes=attributes)
         span.add_event(sc.EVENT_TRACKED, {sc.EV_MONOTONIC_S: now})
-        self._tracked[remote_request_id] = _Tracked(span)
+        self._tracked[remote_request_id] = _Tracked(span, now, decode_request_id)
+        if decode_request_id:
+            self._by_decode[decode_request_id] = remote_request_id
         return True
 
     def sent(self, remote_request_ids, *, now: float | None = None) -> int:
@@ -81,11 +87,34 @@ class HeartbeatSpanRecorder:
                 continue
             counted += 1
             tracked.sent += 1
+            tracked.longest_silence_s = max(tracked.longest_silence_s,
+                                            now - (tracked.tracked_s if tracked.last_s is None else tracked.last_s))
             if tracked.first_s is None:
                 tracked.first_s = now
                 tracked.span.add_event(sc.EVENT_FIRST_HEARTBEAT, {sc.EV_MONOTONIC_S: now})
             tracked.last_s = now
         return counted
+
+    def longest_silence_s(self, decode_request_id: str, *, now: float | None = None) -> float | None:
+        """The longest interval, in seconds, during which D sent no heartbeat naming the request D calls
+        ``decode_request_id`` since it began tracking it, the interval still open at ``now`` included
+        (:func:`leasekit.lease.bounds.silence_may_expire` judges it); None when that request is not tracked."""
+        remote = self._by_decode.get(decode_request_id)
+        tracked = None if remote is None else self._tracked.get(remote)
+        if tracked is None:
+            return None
+        now = self._clock() if now is None else now
+        return max(tracked.longest_silence_s, now - (tracked.tracked_s if tracked.last_s is None else tracked.last_s))
+
+    def note(self, decode_request_id: str, event: str, attributes: Mapping[str, object]) -> bool:
+        """Add ``event`` with ``attributes`` to the heartbeat span of the request D calls ``decode_request_id``;
+        False when it is not tracked."""
+        remote = self._by_decode.get(decode_request_id)
+        tracked = None if remote is None else self._tracked.get(remote)
+        if tracked is None:
+            return False
+        tracked.span.add_event(event, dict(attributes))
+        return True
 
     def context_of(self, remote_request_id: str):
         """An OpenTelemetry context with the request's open heartbeat span as parent (to put D's other
@@ -98,6 +127,8 @@ class HeartbeatSpanRecorder:
         tracked = self._tracked.pop(remote_request_id, None)
         if tracked is None:
             return False
+        if tracked.decode_request_id and self._by_decode.get(tracked.decode_request_id) == remote_request_id:
+            del self._by_decode[tracked.decode_request_id]
         now = self._clock() if now is None else now
         attributes = {sc.HEARTBEATS_SENT: tracked.sent, sc.END_MONOTONIC_S: now, sc.END_REASON: reason}
         if tracked.first_s is not None:

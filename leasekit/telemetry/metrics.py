@@ -281,6 +281,11 @@ PUSH_LATE_WRITES = MetricSpec(
     "Push mode: WRITE notifications D received for a request it no longer waited on (it timed out or was aborted, "
     "its KV blocks may have been reused: possible silent corruption of another request): counts per notification, "
     "per D TP rank.", _RANK, "D", modes=("push",))
+PUSH_WITHHELD = MetricSpec(
+    PREFIX + "push_registrations_withheld", "counter",
+    "Push mode: registrations D withheld because it had sent no heartbeat for the request for about E - H/2 or "
+    "longer (P may have reclaimed the lease; the load is failed for kv_load_failure_policy instead of waiting for a "
+    "WRITE that may never come): counts per request, per D TP rank.", _RANK, "D", modes=("push",))
 
 HANDSHAKE_BAD_REASONS = (
     "bad_frames", "oversized", "bad_msgpack", "bad_shape", "unknown_tag", "unknown_rank", "internal_error",
@@ -312,6 +317,7 @@ LEASEKIT_METRICS: tuple[MetricSpec, ...] = (
     DURATION, HEARTBEAT_INTERVAL, EXTENSION, NOTIFICATIONS_DROPPED, MAX_HOLD,
     READS, READ_VERDICT_WAIT, READ_PROOFS_METRIC, VERDICT_SEND_FAILURES, PLEDGE_HOLD, SPANS_DROPPED,
     HANDSHAKE_LISTENER_UP, HANDSHAKE_REQUESTS, HANDSHAKE_BAD_REQUESTS, PUSH_WRITES_METRIC, PUSH_LATE_WRITES,
+    PUSH_WITHHELD,
 )
 """Every metric LeaseKitConnector exports, in documentation order."""
 

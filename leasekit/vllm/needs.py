@@ -168,6 +168,7 @@ _CLASSES_032 = (
         "_reqs_to_send", "_reqs_to_process", "_sending_transfers", "_sending_transfers_lock",
         "_pending_completion_notifs", "_recving_metadata", "xfer_stats", "nixl_wrapper", "kv_transfer_config",
         "tp_rank", "engine_id",
+        "_failed_recv_reqs",  # D: a withheld registration's receive is failed through it (push.py _lk_withhold_lapsed)
     ), writes={"_push_writer_loop": ("get_new_notifs", "startswith", "_handle_push_reg_notif",
                                      "_pending_completion_notifs"),
                "get_transfer_results": ("_pop_done_transfers", "_sending_transfers", "finished_sending")}),

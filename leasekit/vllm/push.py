@@ -20,6 +20,8 @@ vLLM's compatibility hash (its ``_TRANSFER_MODE`` stays ``"push"``). Hooks of vl
   intake (binding, max hold, malformed and foreign messages dropped, as in pull mode); a read completion sent to a
   push P is dropped (``push_completion``): P frees only on its own WRITE handles, as vllm 0.33.0 does;
 - P, expiry: vLLM's reap through the expiry heap (:class:`leasekit.vllm.prefill.hooks.PHooks`);
+- D, registration (D TP = 1): a request D fell silent on for about ``E - H/2`` or longer is never registered; its
+  load is failed for vLLM's ``kv_load_failure_policy`` instead of waiting for a WRITE that may never come;
 - D: heartbeat spans as in pull mode; a WRITE notification for a request D no longer waits on (its blocks may have
   been freed and reused) is counted (``leasekit_kv_lease_push_late_writes_total``), logged and dropped; a
   malformed one is counted and dropped instead of raising in D's engine step.
@@ -39,6 +41,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlBase
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler import NixlPushConnectorScheduler
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import NixlPushConnectorWorker
 
+from leasekit.lease.bounds import silence_may_expire
 from leasekit.lease.codec import Completion, decode_notification
 from leasekit.lease.config import LeaseTiming
 from leasekit.lease.peerref import peer_ref
@@ -90,6 +93,7 @@ class LeaseKitPushWorker(LeaseKitWorkerMixin, PHooks, DHooks, NixlPushConnectorW
         self._lk_late: list[str] = []
         self._lk_failed: list[str] = []
         self._lk_late_warning = RateLimitedWarning(lease_logger())
+        self._lk_withheld_warning = RateLimitedWarning(lease_logger())
 
     def start_load_kv(self, metadata: Any) -> None:
         """LeaseKit's and vLLM's ``start_load_kv``; each new lease's base id becomes matchable by registrations."""
@@ -98,6 +102,44 @@ class LeaseKitPushWorker(LeaseKitWorkerMixin, PHooks, DHooks, NixlPushConnectorW
             for req_id in metadata.reqs_to_send:
                 if req_id in self._reqs_to_send:
                     self._lk_flow.granted(req_id)
+
+    def _lk_before_stock_load(self, metadata: Any) -> None:
+        """D, after any chaos forward-pass stall of this step and before vLLM queues the step's registrations for
+        its writer thread: withhold the ones of leases D cannot vouch for (:meth:`_lk_withhold_lapsed`). Only with
+        D TP = 1: each D rank judges from its own heartbeat history, and ranks that disagreed would let P WRITE into
+        one rank's blocks after another rank failed the load (with D TP > P TP P WRITEs into every D rank on the
+        first registration), so with D TP > 1 D withholds nothing, as stock."""
+        if getattr(metadata, "push_registrations", None) and getattr(self, "world_size", 1) == 1:
+            self._lk_withhold_lapsed(metadata)
+
+    def _lk_withhold_lapsed(self, metadata: Any) -> None:
+        """D: never register for a lease P may have reclaimed. A request whose heartbeats D stopped sending for
+        about ``E - H/2`` seconds or longer (:func:`leasekit.lease.bounds.silence_may_expire`, always above the loss
+        budget's silence: D was frozen, stalled or could not send) loses its registration before vLLM's writer sends it, and its receive is failed through
+        vLLM's own path (``_failed_recv_reqs``, as when a registration cannot be sent; ``base_worker.py``
+        ``get_finished``), so the scheduler applies ``kv_load_failure_policy`` (recompute, or an error). Without
+        this, D would wait for a WRITE that P, having reclaimed the lease, never issues (vLLM's registration
+        watchdog, ``push_scheduler.py`` ``build_connector_meta``, only drops the registration): the request hangs.
+        No WRITE can land later in the blocks D then reuses, because P never heard of them. A WARNING, a
+        ``registration_withheld`` event on the request's heartbeat span and
+        ``leasekit_kv_lease_push_registrations_withheld_total`` say so. Never raises."""
+        try:
+            regs, now = metadata.push_registrations, time.perf_counter()
+            for req_id in list(regs):
+                silence = self._lk_hb.longest_silence_s(req_id, now=now)
+                if silence is None or not silence_may_expire(silence, self._lk_timing):
+                    continue
+                del regs[req_id]
+                self._failed_recv_reqs.put(req_id)
+                self._lk_stats.registration_withheld()
+                self._lk_hb.note(req_id, "registration_withheld", {"leasekit.silence_s": round(silence, 6)})
+                self._lk_withheld_warning.warn(
+                    "LeaseKit: D withheld the push registration of request %s: it sent no heartbeat for it for %.1f s "
+                    "(E=%s s), so P may have reclaimed its KV blocks; its load is failed for kv_load_failure_policy "
+                    "instead of waiting for a WRITE that may never come", req_id, silence,
+                    self._lk_timing.extension_s, event="registration_withheld")
+        except Exception as exc:
+            self._lk_errors.report("withhold", exc)
 
     def _handle_push_reg_notif(self, notif: bytes) -> None:
         """vLLM's handling of one accepted registration (writer thread), alone: a registration vLLM's WRITE set-up

@@ -53,8 +53,10 @@ UNKNOWN_IDS = "lk_unknown_ids"  # [rank, count]  heartbeat ids P held no lease f
 LISTENER = "lk_listener"  # [up (1|0), served_total, {reason: total}]  scheduler side, no rank; latest wins
 PUSH_WRITES = "lk_push_writes"  # [rank, outcome, count]  P's WRITEs in push mode (issued, done, failed, late)
 LATE_WRITES = "lk_late_writes"  # [rank, count]  D: WRITE notifications for requests D no longer waited on
+WITHHELD = "lk_withheld"  # [rank, count]  D: push registrations withheld (D fell silent on the lease)
 LEASE_KEYS = (GRANTS, EXTENSIONS, ENDS, LATE, PEER_RETURNS, HEARTBEATS, STATE, CONFIG, DROPS, MAX_HOLD, READS,
-              VERDICT_FAILS, PLEDGE_HOLDS, SPAN_DROPS, BINDINGS, UNKNOWN_IDS, LISTENER, PUSH_WRITES, LATE_WRITES)
+              VERDICT_FAILS, PLEDGE_HOLDS, SPAN_DROPS, BINDINGS, UNKNOWN_IDS, LISTENER, PUSH_WRITES, LATE_WRITES,
+              WITHHELD)
 
 
 class LeaseKitKVConnectorStats(NixlKVConnectorStats):
@@ -152,6 +154,14 @@ class LeaseStatsObserver:
     def late_write(self) -> None:
         """Record one WRITE notification D got for a request it no longer waited on (push mode)."""
         entries = self.stats.data[LATE_WRITES]
+        if entries:
+            entries[0][1] += 1
+        else:
+            entries.append([self.tp_rank, 1])
+
+    def registration_withheld(self) -> None:
+        """Record one push registration D withheld (push mode, :meth:`leasekit.vllm.push.LeaseKitPushWorker._lk_withhold_lapsed`)."""
+        entries = self.stats.data[WITHHELD]
         if entries:
             entries[0][1] += 1
         else:
@@ -348,6 +358,8 @@ class LeaseKitPromMetrics(NixlPromMetrics):
                 self._child(m.PUSH_WRITES_METRIC, engine_idx, rank, outcome).inc(count)
         for rank, count in d.get(LATE_WRITES, ()):
             self._child(m.PUSH_LATE_WRITES, engine_idx, rank).inc(count)
+        for rank, count in d.get(WITHHELD, ()):
+            self._child(m.PUSH_WITHHELD, engine_idx, rank).inc(count)
         for up, served, bad in d.get(LISTENER, ()):  # in order: the last one wins
             self._listener(engine_idx, up, served, bad)
 

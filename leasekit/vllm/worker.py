@@ -195,6 +195,7 @@ class LeaseKitWorkerMixin:
             self._lk_dbeats.apply_stall()
         self._lk_gate.protect(getattr(metadata, METADATA_PROTECTED_ATTR, None))
         self._lk_gate.finish(getattr(metadata, METADATA_FINISHED_ATTR, None))
+        self._lk_before_stock_load(metadata)
         super().start_load_kv(metadata)
         self._lk_dbeats.track(getattr(metadata, METADATA_TRACKED_ATTR, None),
                               getattr(metadata, METADATA_UNTRACKED_ATTR, None))
@@ -205,6 +206,10 @@ class LeaseKitWorkerMixin:
         self._lk_p.pledges.take(metadata, now)
         self._lk_p.take_metadata(getattr(metadata, METADATA_LEASE_KEY_ATTR, None),
                                  getattr(metadata, METADATA_PEERS_ATTR, None))
+
+    def _lk_before_stock_load(self, metadata: Any) -> None:
+        """Hook of a transfer mode, run in ``start_load_kv`` after any chaos forward-pass stall and right before
+        vLLM's own ``start_load_kv`` takes this step's metadata; pull mode: nothing."""
 
     def _lk_grants(self, metadata: Any) -> None:
         """A grant (lease span) for each new ``_reqs_to_send`` entry of this step's metadata."""

@@ -7,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from leasekit.lease import LeaseConfigError, LeaseTiming, loss_budget, reclaim_bound, reclaim_deadline, safe_stall_s
+from leasekit.lease.bounds import silence_may_expire
 
 
 @pytest.mark.parametrize(
@@ -78,3 +79,22 @@ def test_deadline_is_never_before_grant_plus_L(L, grant, hb_offset):
 def test_loss_budget_of_an_overflowing_lease_is_an_error_not_a_crash():
     with pytest.raises(LeaseConfigError, match="not finite"):
         loss_budget(LeaseTiming.from_lease_duration(1e308))  # L * 2 overflows: E is nan
+
+
+@given(st.integers(min_value=6, max_value=100_000))
+def test_silence_may_expire_spares_the_loss_budget_and_flags_a_silence_near_e(lease_duration):
+    t = LeaseTiming.from_lease_duration(lease_duration)
+    H, E = t.heartbeat_interval_s, t.extension_s
+    assert not silence_may_expire((loss_budget(t) + 1) * H, t)  # the budget's silence: P never expires it
+    assert not silence_may_expire(H, t) and silence_may_expire(E, t)  # a silence of E may expire it at P
+    between = ((loss_budget(t) + 1) * H + E) / 2
+    assert silence_may_expire(max(E - H / 2, between), t) and not silence_may_expire(max(E - H / 2, between) - 1e-9, t)
+    if (loss_budget(t) + 1) * H <= E - H:  # room for H/2 of delivery spread below E
+        assert silence_may_expire(E - H / 2, t)
+
+
+def test_silence_may_expire_refuses_a_negative_or_infinite_silence():
+    t = LeaseTiming.from_lease_duration(6)
+    for bad in (-0.1, math.inf, math.nan):
+        with pytest.raises(ValueError, match="silence_s"):
+            silence_may_expire(bad, t)

@@ -4,6 +4,7 @@ import pytest
 
 from leasekit.chaos import FAIL, PASS, UNKNOWN
 from leasekit.chaos.checks import check_bounded_reclaim, check_lease_reclaim, check_steady_state
+from leasekit.chaos.endchecks import check_decode_conservation
 from leasekit.cluster.router import DecodeResult
 from leasekit.lease import LeaseTiming
 from leasekit.telemetry.lease_timeline import LeaseTimeline
@@ -120,3 +121,12 @@ def test_log_evidence_stamp_latency_is_not_a_premature_reclaim():
     way_early = dataclasses.replace(lease(hbs=(1.0, 2.5), end=6.5 - LOG_STAMP_LATENCY_S - 0.01),
                                     stamp_latency_s=LOG_STAMP_LATENCY_S)
     assert check_lease_reclaim(way_early, T6, tick_s=0.5).verdict == FAIL
+
+
+def test_decode_conservation_fails_a_leak_and_cannot_judge_a_killed_or_unreadable_d():
+    leak = check_decode_conservation(0.0125, waited_s=15.2)
+    assert leak.verdict == FAIL and "1.25% used 15 s" in leak.summary and leak.name == "decode-conservation"
+    assert check_decode_conservation(0.0, waited_s=0.1).verdict == PASS
+    assert check_decode_conservation(None, waited_s=15).verdict == UNKNOWN
+    killed = check_decode_conservation(0.5, waited_s=0, decode_killed=True)
+    assert killed.verdict == UNKNOWN and "killed" in killed.summary

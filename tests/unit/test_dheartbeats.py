@@ -118,3 +118,24 @@ def test_a_worker_whose_leasekit_part_never_ran_sends_stock():
     worker = type("Bare", (DHooks, StockD), {"_lk_ready": False})()
     worker._send_heartbeats(batch("P1"))
     assert worker.batches == [["P-engine"]]
+
+
+def test_longest_silence_covers_the_gap_before_the_first_heartbeat_between_them_and_the_open_one():
+    provider = TracerProvider()
+    exporter = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    rec = HeartbeatSpanRecorder(provider.get_tracer("t"), engine_id="d", tp_rank=0)
+    assert rec.longest_silence_s("d-1", now=0.0) is None  # not tracked
+    rec.track("p-1", remote_engine_id="P", decode_request_id="d-1", now=10.0)
+    assert rec.longest_silence_s("d-1", now=10.5) == 0.5  # open since tracking, nothing sent yet
+    rec.sent(["p-1"], now=11.0)
+    rec.sent(["p-1"], now=19.0)  # D frozen 8 s in between
+    rec.sent(["p-1"], now=20.0)
+    assert rec.longest_silence_s("d-1", now=20.5) == 8.0
+    assert rec.longest_silence_s("d-1", now=40.0) == 20.0  # the open interval counts too
+    assert rec.longest_silence_s("p-1", now=20.5) is None  # keyed by D's id, not P's
+    assert rec.note("d-1", "registration_withheld", {"leasekit.silence_s": 8.0})
+    rec.untrack("p-1", now=41.0)
+    assert rec.longest_silence_s("d-1", now=42.0) is None and not rec.note("d-1", "x", {})
+    (span,) = exporter.get_finished_spans()
+    assert [e.name for e in span.events if e.name == "registration_withheld"] == ["registration_withheld"]

@@ -80,3 +80,15 @@ def test_empty_suite(tmp_path):
     root, suite = load(summary.path)
     assert root.get("tests") == suite.get("tests") == "0"
     assert suite.findall("testcase") == [] and not math.isnan(float(suite.get("time")))
+
+
+def test_transfer_mode_is_a_testcase_property_before_the_verdict(tmp_path):
+    cases = [JUnitCase("kill-decode-push", "stock", "FAIL", 1.0, reason="r", properties={"transfer_mode": "push", "vllm_version": ""}),
+             JUnitCase("kill-decode", "leasekit", "PASS", 1.0)]
+    root, suite = load(write_junit(tmp_path / "j.xml", "s", cases).path)
+    push, pull = suite.findall("testcase")
+    assert [child.tag for child in push] == ["properties", "failure", "system-out"]
+    assert [(p.get("name"), p.get("value")) for p in push.find("properties")] == [("transfer_mode", "push")]
+    assert pull.find("properties") is None
+    assert JUnitCase.from_mapping({"name": "n", "verdict": "PASS", "properties": {"transfer_mode": "pull"}}).properties == {
+        "transfer_mode": "pull"}

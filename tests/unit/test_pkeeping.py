@@ -173,3 +173,20 @@ def test_the_properties_catch_mutants(mutant, rule):
 
     search()
     assert found, f"the properties did not catch the {mutant} mutant"
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "known gap in P's production rules: first-contact binding (leasekit/lease/binding.py LeaseBinding.heartbeat, "
+    "reached from PLeaseKeeping.heartbeat's plain branch) makes a plain heartbeat from a sibling D TP rank "
+    "(D TP > P TP: every D rank heartbeats the same P rank) FOREIGN, so the lease expires at grant + L although "
+    "that rank's heartbeat arrived at 5 s (invariant 2, leasekit/sim/invariants.py no_premature_reclaim, asks for "
+    "5 + E = 9 s). Push mode is always plain (no lease secret). It bites when the bound rank's "
+    "heartbeats are lost and the sibling's are delivered (docs/fail-closed.md)"))
+def test_a_delivered_heartbeat_of_a_sibling_d_rank_keeps_the_lease_alive():
+    from leasekit.lease.codec import Heartbeat
+
+    k = keeping()  # no lease secret: plain leases, as LeaseKitPushConnector's P (L = 6, E = 4)
+    k.grant("r", 0.0)
+    assert k.step(1.0, [("D0-r0", Heartbeat(("r",)))]).ended == []  # D rank 0 binds the lease: deadline 6
+    assert k.step(5.0, [("D0-r1", Heartbeat(("r",)))]).ended == []  # D rank 1's heartbeat arrives (rank 0's was lost)
+    assert k.step(6.0).ended == []  # 6 < 5 + E: must still be live (today: expired here, rank 1's was FOREIGN)

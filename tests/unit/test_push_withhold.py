@@ -1,0 +1,94 @@
+"""LeaseKit push D withholds the registration of a lease it fell silent on (push.py ``_lk_withhold_lapsed``):
+vLLM's own push worker method runs on a LeaseKitPushWorker whose LeaseKit parts are real (the heartbeat span
+recorder, the lease timing); only vLLM's engine state is absent. The real-pair proof is the stall-decode-push
+scenario (a frozen D's requests are answered on LeaseKit, hang on stock)."""
+
+from __future__ import annotations
+
+import logging
+import queue
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from opentelemetry.sdk.trace import TracerProvider  # noqa: E402
+
+from leasekit.chaos import FAIL, PASS  # noqa: E402
+from leasekit.chaos.checks import CheckResult  # noqa: E402
+from leasekit.chaos.result import ScenarioResult  # noqa: E402
+from leasekit.chaos.suite import _left_d_dirty  # noqa: E402
+from leasekit.lease.config import LeaseTiming  # noqa: E402
+from leasekit.telemetry.decode_spans import HeartbeatSpanRecorder  # noqa: E402
+from leasekit.telemetry.lease_log import RateLimitedWarning  # noqa: E402
+from leasekit.vllm.push import LeaseKitPushWorker  # noqa: E402
+from leasekit.vllm.stats import WITHHELD, LeaseKitKVConnectorStats, LeaseStatsObserver  # noqa: E402
+from leasekit.vllm.taps import TelemetryErrors  # noqa: E402
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def make_worker(clock):
+    worker = object.__new__(LeaseKitPushWorker)
+    worker._lk_ready = True
+    worker._lk_timing = LeaseTiming.from_lease_duration(6)  # H = 1, E = 4: withheld from 3.5 s of silence
+    worker._lk_hb = HeartbeatSpanRecorder(TracerProvider().get_tracer("t"), engine_id="d", tp_rank=0, clock=clock)
+    worker._failed_recv_reqs = queue.Queue()
+    worker._lk_withheld_warning = RateLimitedWarning(logging.getLogger("leasekit.test"))
+    worker._lk_errors = TelemetryErrors(logging.getLogger("leasekit.test"))
+    worker._lk_stats = LeaseStatsObserver(LeaseKitKVConnectorStats(), 0)
+    return worker
+
+
+def test_a_registration_after_a_silence_near_e_is_withheld_and_its_load_failed(monkeypatch):
+    clock = Clock()
+    worker = make_worker(clock)
+    monkeypatch.setattr("leasekit.vllm.push.time.perf_counter", clock)
+    for d_id, p_id in (("d-frozen", "p-frozen"), ("d-fine", "p-fine")):
+        worker._lk_hb.track(p_id, remote_engine_id="P", decode_request_id=d_id, now=clock.now)
+    worker._lk_hb.sent(["p-frozen", "p-fine"], now=100.5)
+    worker._lk_hb.sent(["p-fine"], now=103.0)  # D heartbeats p-fine; p-frozen silent since 100.5
+    clock.now = 104.0  # 3.5 s of silence for p-frozen: E - H/2 at L = 6
+    regs = {"d-frozen": {"request_id": "d-frozen"}, "d-fine": {"request_id": "d-fine"}, "d-new": {}}
+    worker._lk_withhold_lapsed(SimpleNamespace(push_registrations=regs))
+    assert list(regs) == ["d-fine", "d-new"]  # an untracked request (just arrived) is not judged
+    assert worker._failed_recv_reqs.get_nowait() == "d-frozen" and worker._failed_recv_reqs.empty()
+    assert worker._lk_stats.stats.data[WITHHELD] == [[0, 1]]  # leasekit_kv_lease_push_registrations_withheld_total
+
+
+def test_a_silence_within_the_loss_budget_withholds_nothing(monkeypatch):
+    clock = Clock()
+    worker = make_worker(clock)
+    monkeypatch.setattr("leasekit.vllm.push.time.perf_counter", clock)
+    worker._lk_hb.track("p-1", remote_engine_id="P", decode_request_id="d-1", now=100.0)
+    worker._lk_hb.sent(["p-1"], now=100.5)
+    worker._lk_hb.sent(["p-1"], now=103.5)  # two batches lost: 3 s, the loss budget's silence
+    clock.now = 104.0
+    regs = {"d-1": {}}
+    worker._lk_withhold_lapsed(SimpleNamespace(push_registrations=regs))
+    assert list(regs) == ["d-1"] and worker._failed_recv_reqs.empty()
+
+
+def test_a_failure_inside_never_reaches_the_engine(caplog):
+    worker = make_worker(Clock())
+    with caplog.at_level(logging.WARNING, logger="leasekit.test"):
+        worker._lk_withhold_lapsed(SimpleNamespace(push_registrations=None))  # not a dict: reported, not raised
+    assert "withhold" in caplog.text and worker._failed_recv_reqs.empty()
+
+
+def test_a_pair_whose_d_kept_requests_or_blocks_is_not_reused():
+    def result(*checks):
+        r = ScenarioResult("s", "stock", FAIL, FAIL, "x")
+        r.checks = [CheckResult(name, verdict, "") for name, verdict in checks]
+        return r
+
+    assert _left_d_dirty(result(("liveness", FAIL)))
+    assert _left_d_dirty(result(("bounded-reclaim", PASS), ("decode-conservation", FAIL)))
+    assert not _left_d_dirty(result(("liveness", PASS), ("conservation", FAIL)))
