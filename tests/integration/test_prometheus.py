@@ -130,7 +130,8 @@ def test_every_dashboard_panel_query_returns_data(observed_run):
     pull = [(title, expr, result) for title, expr, result in observed_run["panels"] if "pull" in expression_modes(expr)]
     empty = [f"{title}: {expr}" for title, expr, result in pull if not result]
     assert not empty, "panel queries without data:\n" + "\n".join(empty)
-    assert len(pull) >= 20 and len(observed_run["panels"]) - len(pull) <= 2
+    push_only = [expr for _, expr, _ in observed_run["panels"] if "pull" not in expression_modes(expr)]
+    assert len(pull) >= 20 and all(expression_modes(expr) == {"push"} for expr in push_only), push_only
 
 
 def test_explain_prints_the_lease_timeline_and_spans_join_one_trace(observed_run):
