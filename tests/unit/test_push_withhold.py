@@ -1,7 +1,8 @@
 """LeaseKit push D withholds the registration of a lease it fell silent on (push.py ``_lk_withhold_lapsed``):
 vLLM's own push worker method runs on a LeaseKitPushWorker whose LeaseKit parts are real (the heartbeat span
 recorder, the lease timing); only vLLM's engine state is absent. The real-pair proof is the stall-decode-push
-scenario (a frozen D's requests are answered on LeaseKit, hang on stock)."""
+scenario (a frozen D's requests are answered on LeaseKit, hang on stock). Also: D ranks never disagree (only a D with
+TP 1 withholds), and a registration is judged after the forward-pass stall of its step."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from opentelemetry.sdk.trace import TracerProvider  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import NixlPushConnectorWorker  # noqa: E402
 
 from leasekit.chaos import FAIL, PASS  # noqa: E402
 from leasekit.chaos.checks import CheckResult  # noqa: E402
@@ -92,3 +94,51 @@ def test_a_pair_whose_d_kept_requests_or_blocks_is_not_reused():
     assert _left_d_dirty(result(("liveness", FAIL)))
     assert _left_d_dirty(result(("bounded-reclaim", PASS), ("decode-conservation", FAIL)))
     assert not _left_d_dirty(result(("liveness", PASS), ("conservation", FAIL)))
+
+
+def test_every_d_rank_decides_the_same_for_the_same_registration(monkeypatch):
+    """Two D TP ranks, same request, same metadata. Rank 1's first heartbeat waited for its NIXL handshake
+    (base_worker ``_send_heartbeats`` ``continue``), rank 0's did not: 0.2 s apart in their histories."""
+    clock = Clock()
+    monkeypatch.setattr("leasekit.vllm.push.time.perf_counter", clock)
+    rank0, rank1 = make_worker(clock), make_worker(clock)
+    for rank in (rank0, rank1):
+        rank._lk_hb.track("p-1", remote_engine_id="P", decode_request_id="d-1", now=100.0)
+    rank0._lk_hb.sent(["p-1"], now=100.3)   # rank 0 handshaked early
+    rank1._lk_hb.sent(["p-1"], now=100.5)   # rank 1's handshake finished 0.2 s later
+    clock.now = 103.9                       # then D stalled; registration judged now
+    regs0, regs1 = {"d-1": {}}, {"d-1": {}}  # each rank gets its own copy of the metadata (multiproc executor)
+    for rank in (rank0, rank1):
+        rank.world_size = 2  # D TP 2: ranks judge from their own histories, so none withholds (docs/chaos.md)
+    rank0._lk_before_stock_load(SimpleNamespace(push_registrations=regs0))
+    rank1._lk_before_stock_load(SimpleNamespace(push_registrations=regs1))
+    # rank 0: silence 3.6 s >= 3.5 -> withheld, load failed; rank 1: 3.4 s -> registers, P WRITEs (all D ranks
+    # when D TP > P TP) into blocks rank 0 has already reported invalid.
+    assert list(regs0) == list(regs1) == ["d-1"] and rank0._failed_recv_reqs.empty() and rank1._failed_recv_reqs.empty()
+    rank0.world_size = 1  # D TP 1: the same history is withheld
+    rank0._lk_before_stock_load(SimpleNamespace(push_registrations=regs0))
+    assert regs0 == {} and rank0._failed_recv_reqs.get_nowait() == "d-1"
+
+
+def test_a_registration_is_judged_after_the_forward_pass_stall_of_its_step(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr("leasekit.vllm.push.time.perf_counter", clock)
+    worker = make_worker(clock)
+    worker._lk_hb.track("p-1", remote_engine_id="P", decode_request_id="d-1", now=100.0)
+    worker._lk_hb.sent(["p-1"], now=100.5)
+    clock.now = 101.0
+
+    def stall():  # chaos method = "forward_pass": the fault point sleeps in start_load_kv (8 s here)
+        clock.now += 8.0
+
+    worker._lk_faults = SimpleNamespace(enabled=True)
+    worker._lk_dbeats = SimpleNamespace(apply_stall=stall, track=lambda *a: None)
+    worker._lk_gate = SimpleNamespace(protect=lambda *a: None, finish=lambda *a: None)
+    worker._lk_p = SimpleNamespace(pledges=SimpleNamespace(take=lambda *a: None), take_metadata=lambda *a: None)
+    sent_to_writer = {}
+    monkeypatch.setattr(NixlPushConnectorWorker, "start_load_kv",
+                        lambda self, md: sent_to_writer.update(md.push_registrations or {}))
+    metadata = SimpleNamespace(push_registrations={"d-1": {}}, reqs_to_send={})
+    worker.start_load_kv(metadata)
+    # vLLM queued the registration for the writer 8.5 s after D's last heartbeat (P reclaims at E = 4 s)
+    assert sent_to_writer == {} and worker._failed_recv_reqs.get_nowait() == "d-1"
