@@ -153,15 +153,15 @@ class LeaseStatsObserver:
 
     def late_write(self) -> None:
         """Record one WRITE notification D got for a request it no longer waited on (push mode)."""
-        entries = self.stats.data[LATE_WRITES]
-        if entries:
-            entries[0][1] += 1
-        else:
-            entries.append([self.tp_rank, 1])
+        self._count_one(LATE_WRITES)
 
     def registration_withheld(self) -> None:
         """Record one push registration D withheld (push mode, :meth:`leasekit.vllm.push.LeaseKitPushWorker._lk_withhold_lapsed`)."""
-        entries = self.stats.data[WITHHELD]
+        self._count_one(WITHHELD)
+
+    def _count_one(self, key: str) -> None:
+        """Add 1 to this rank's ``[rank, count]`` entry of ``key`` (one entry per step)."""
+        entries = self.stats.data[key]
         if entries:
             entries[0][1] += 1
         else:

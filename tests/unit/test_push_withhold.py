@@ -142,3 +142,13 @@ def test_a_registration_is_judged_after_the_forward_pass_stall_of_its_step(monke
     worker.start_load_kv(metadata)
     # vLLM queued the registration for the writer 8.5 s after D's last heartbeat (P reclaims at E = 4 s)
     assert sent_to_writer == {} and worker._failed_recv_reqs.get_nowait() == "d-1"
+
+
+def test_d_push_counts_keep_one_entry_per_rank_per_step():
+    from leasekit.vllm.stats import LATE_WRITES
+
+    stats = LeaseStatsObserver(LeaseKitKVConnectorStats(), 3)
+    stats.late_write()
+    stats.late_write()
+    stats.registration_withheld()
+    assert stats.stats.data[LATE_WRITES] == [[3, 2]] and stats.stats.data[WITHHELD] == [[3, 1]]
