@@ -46,7 +46,7 @@ Telemetry errors are logged (rate-limited) and never raised into the engine loop
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import vllm
 
@@ -65,7 +65,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (  # n
 from leasekit.vllm.decode.hooks import DHooks  # noqa: E402
 from leasekit.vllm.prefill.hooks import PHooks  # noqa: E402
 from leasekit.vllm.scheduler import LeaseKitPullScheduler  # noqa: E402
-from leasekit.vllm.stats import LeaseKitKVConnectorStats, LeaseKitPromMetrics  # noqa: E402
+from leasekit.vllm.connstats import LeaseKitConnectorStatsMixin  # noqa: E402
 from leasekit.vllm.worker import LeaseKitWorkerMixin  # noqa: E402
 
 check_installed(vllm.__version__)  # every hook's signature and every attribute LeaseKit reads
@@ -81,7 +81,7 @@ class LeaseKitPullWorker(LeaseKitWorkerMixin, PHooks, DHooks, NixlPullConnectorW
 
 
 
-class LeaseKitConnector(NixlPullConnector):
+class LeaseKitConnector(LeaseKitConnectorStatsMixin, NixlPullConnector):
     """vLLM's pull-mode NixlConnector with lease spans on every P worker.
 
     Load with ``kv_connector="LeaseKitConnector"`` and
@@ -107,25 +107,6 @@ class LeaseKitConnector(NixlPullConnector):
             self.connector_worker = LeaseKitPullWorker(vllm_config, self.engine_id, kv_cache_config)
         else:
             raise ValueError(f"Unsupported KVConnectorRole: {role}")
-
-    def get_kv_connector_stats(self) -> Any:
-        """Worker role: stock (the worker's NIXL and lease stats). Scheduler role: the handshake
-        listener's health when it changed (:meth:`LeaseKitPullScheduler.listener_stats`), else None;
-        vLLM's scheduler aggregates it with the workers' stats every step."""
-        if self.connector_scheduler is not None:
-            return self.connector_scheduler.listener_stats()
-        return super().get_kv_connector_stats()
-
-    @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> LeaseKitKVConnectorStats:
-        """vLLM rebuilds the workers' stats in the API server with this (NIXL's plus lease lists)."""
-        return LeaseKitKVConnectorStats(data=data) if data is not None else LeaseKitKVConnectorStats()
-
-    @classmethod
-    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict, labelnames: list[str],
-                           per_engine_labelvalues: dict[int, list[object]]) -> LeaseKitPromMetrics:
-        """vLLM's NIXL metrics plus the lease metrics (:mod:`leasekit.telemetry.metrics`) on /metrics."""
-        return LeaseKitPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues, mode="pull")
 
 
 from leasekit.vllm.push import PUSH_CONNECTOR_NAME, LeaseKitPushConnector  # noqa: E402  (same module path, push mode)

@@ -50,7 +50,7 @@ from leasekit.vllm.decode.hooks import DHooks
 from leasekit.vllm.prefill.hooks import PHooks
 from leasekit.vllm.pushflow import PushFlow
 from leasekit.vllm.scheduler import LeaseKitSchedulerMixin
-from leasekit.vllm.stats import LeaseKitKVConnectorStats, LeaseKitPromMetrics
+from leasekit.vllm.connstats import LeaseKitConnectorStatsMixin
 from leasekit.vllm.taps import HEARTBEAT_PREFIX, PushNotificationTap
 from leasekit.vllm.worker import LeaseKitWorkerMixin
 
@@ -232,11 +232,13 @@ class LeaseKitPushWorker(LeaseKitWorkerMixin, PHooks, DHooks, NixlPushConnectorW
         return set()
 
 
-class LeaseKitPushConnector(NixlPushConnector):
+class LeaseKitPushConnector(LeaseKitConnectorStatsMixin, NixlPushConnector):
     """vLLM's push-mode NixlPushConnector with lease spans on every P worker (module docstring).
 
     Raises: as :class:`leasekit.vllm.connector.LeaseKitConnector` (an unsupported vLLM release at import; a
     ``kv_lease_duration`` or ``leasekit_*`` value out of range at start)."""
+
+    _lk_mode = "push"
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
         # Same as NixlPushConnector.__init__ (its refusal included), with our scheduler/worker classes.
@@ -252,20 +254,3 @@ class LeaseKitPushConnector(NixlPushConnector):
             self.connector_worker = LeaseKitPushWorker(vllm_config, self.engine_id, kv_cache_config)
         else:
             raise ValueError(f"Unsupported KVConnectorRole: {role}")
-
-    def get_kv_connector_stats(self) -> Any:
-        """As :meth:`leasekit.vllm.connector.LeaseKitConnector.get_kv_connector_stats`."""
-        if self.connector_scheduler is not None:
-            return self.connector_scheduler.listener_stats()
-        return super().get_kv_connector_stats()
-
-    @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> LeaseKitKVConnectorStats:
-        """vLLM rebuilds the workers' stats in the API server with this (NIXL's plus lease lists)."""
-        return LeaseKitKVConnectorStats(data=data) if data is not None else LeaseKitKVConnectorStats()
-
-    @classmethod
-    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict, labelnames: list[str],
-                           per_engine_labelvalues: dict[int, list[object]]) -> LeaseKitPromMetrics:
-        """vLLM's NIXL metrics plus the lease metrics, every lease metric labelled ``mode="push"``."""
-        return LeaseKitPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues, mode="push")
