@@ -258,7 +258,8 @@ def test_installed_vllm_is_supported_and_connector_imports():
     check_installed(vllm.__version__)
     from leasekit.vllm.connector import LeaseKitConnector  # the import runs the guard and hook checks
 
-    assert LeaseKitConnector.__mro__[1].__name__ == "NixlPullConnector"
+    # vLLM's pull connector right after the stats hooks shared with the push connector (leasekit/vllm/connstats.py)
+    assert [c.__name__ for c in LeaseKitConnector.__mro__[1:3]] == ["LeaseKitConnectorStatsMixin", "NixlPullConnector"]
 
 
 def _copy_sources(vllm_root: Path, dest: Path, modules) -> None:
