@@ -113,22 +113,26 @@ def _cmd_chaos_list(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _load_pair(args: argparse.Namespace):
-    """``(PairFile or None, lease duration override or None)`` from ``--pair`` and ``--lease-duration``
-    (which wins over the file's ``lease_duration_s``).
+def _load_pairs(args: argparse.Namespace) -> list[tuple]:
+    """``[(pair file path or None, PairFile or None, lease duration override or None)]``, one per ``--pair``
+    (repeatable) in the order given, or one ``(None, None, --lease-duration)`` without it; ``--lease-duration``
+    wins over each file's ``lease_duration_s``.
 
     Raises:
-        leasekit.cluster.pairfile.PairFileError: the file is missing or invalid.
+        leasekit.cluster.pairfile.PairFileError: a file is missing or invalid, or given twice.
     """
     if not args.pair:
-        return None, args.lease_duration
-    from leasekit.cluster.pairfile import load_pair_file
+        return [(None, None, args.lease_duration)]
+    from leasekit.cluster.pairfile import PairFileError, load_pair_file
 
-    deployment = load_pair_file(args.pair)
-    duration = args.lease_duration if args.lease_duration is not None else deployment.lease_duration_s
-    if duration is not None and float(duration).is_integer():
-        duration = int(duration)
-    return deployment, duration
+    out = []
+    for path in args.pair:
+        if any(Path(path).resolve() == Path(seen).resolve() for seen, _, _ in out):
+            raise PairFileError(f"--pair {path}: given twice; fix: name each pair file once")
+        deployment = load_pair_file(path)
+        duration = args.lease_duration if args.lease_duration is not None else deployment.lease_duration_s
+        out.append((path, deployment, int(duration) if duration is not None and float(duration).is_integer() else duration))
+    return out
 
 
 def _check_hosts(deployment, runs) -> str | None:
@@ -166,10 +170,11 @@ def _cmd_chaos_run(args: argparse.Namespace) -> int:
         print(f"leasekit: {problem}", file=sys.stderr)
         return EXIT_USAGE
     try:
-        deployment, lease_duration = _load_pair(args)
+        pairs = _load_pairs(args)
     except PairFileError as exc:
         print(f"leasekit: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    _, deployment, lease_duration = pairs[0]
     try:
         names = list(list_scenarios(catalog)) if args.all else args.names
         scenarios = [
@@ -201,6 +206,11 @@ def _cmd_chaos_run(args: argparse.Namespace) -> int:
             print("leasekit: --testbed builds its own pair file: pass it without --pair and --plan", file=sys.stderr)
             return EXIT_USAGE
         return _run_on_testbed(args, runs, run_dir)
+    if args.plan and len(pairs) > 1:
+        print("leasekit: --plan takes one --pair; print each pair file's plan on its own", file=sys.stderr)
+        return EXIT_USAGE
+    if len(pairs) > 1:
+        return _run_pair_files(args, names, pairs, run_dir)
     if args.plan:  # every command the run would execute; nothing is executed or created
         from leasekit.chaos.plan import build_plan
 
@@ -220,13 +230,34 @@ def _cmd_chaos_run(args: argparse.Namespace) -> int:
     if problem:
         print(f"leasekit: --run-dir {run_dir} is not a writable directory ({problem})", file=sys.stderr)
         return EXIT_USAGE
-    suite = Suite(runs, run_dir, start_timeout_s=args.start_timeout, deployment=deployment)
-    report = suite.execute()
-    if report["status"] == "interrupted":
-        return EXIT_SIGTERM if suite.interrupt_signal == "SIGTERM" else EXIT_SIGINT
-    if report["status"] != "completed" or report["harness_errors"]:
-        return EXIT_HARNESS
-    return {"PASS": EXIT_OK, "FAIL": EXIT_FAIL}.get(report["verdict"], EXIT_UNKNOWN)
+    suite = Suite(runs, run_dir, start_timeout_s=args.start_timeout, deployment=deployment, pair_file=pairs[0][0])
+    return _suite_exit(suite, suite.execute())
+
+
+def _run_pair_files(args: argparse.Namespace, names: list[str], pairs: list[tuple], run_dir: Path) -> int:
+    """Several ``--pair`` files: plan the scenarios ``names`` for each (at its lease duration), check every
+    file's hosts before anything starts, then run them in turn (:class:`leasekit.chaos.multipair.PairFileRuns`)."""
+    from leasekit.chaos.multipair import PairFileRuns
+    from leasekit.chaos.suite import plan
+
+    catalog = Path(args.catalog) if args.catalog else None
+    entries = []
+    for path, deployment, duration in pairs:
+        try:
+            scenarios = [find_scenario(n, catalog).with_overrides(lease_duration_s=duration, tick_s=args.tick) for n in names]
+        except ScenarioError as exc:
+            print(f"leasekit: --pair {path}: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        runs = plan(scenarios, args.target)
+        if (problem := _check_hosts(deployment, runs)):
+            print(f"leasekit: --pair {path}: {problem}", file=sys.stderr)
+            return EXIT_USAGE
+        entries.append((path, deployment, runs))
+    if (problem := _writable_dir(run_dir)):
+        print(f"leasekit: --run-dir {run_dir} is not a writable directory ({problem})", file=sys.stderr)
+        return EXIT_USAGE
+    multi = PairFileRuns(entries, run_dir, start_timeout_s=args.start_timeout)
+    return _suite_exit(multi, multi.execute())
 
 
 def _suite_exit(suite, report: dict) -> int:
@@ -314,8 +345,10 @@ def build_parser() -> argparse.ArgumentParser:
     p_run.add_argument("--catalog", help="scenario directory")
     p_run.add_argument("--start-timeout", type=_start_timeout_seconds, default=300.0,
                        help="seconds each server may take to start (default 300)")
-    p_run.add_argument("--pair", metavar="FILE", help="a pair file (pairs/*.toml): hosts, devices, model, TP, ports "
-                       "of the P/D pair to start (default: the CPU pair, pairs/cpu-local.toml)")
+    p_run.add_argument("--pair", metavar="FILE", action="append",
+                       help="a pair file (pairs/*.toml): hosts, devices, model, TP, ports, vLLM interpreter of the P/D pair "
+                            "to start (default: the CPU pair, pairs/cpu-local.toml); repeatable: the scenarios run against "
+                            "each file in turn, each in <run dir>/<NN>-<file stem>/, one matrix over all")
     p_run.add_argument("--testbed", choices=("two-hosts",),
                        help="two-hosts: build two SSH hosts on this machine (a network namespace and an sshd each, keys "
                             "made for the run), write their pair file into the run dir, run P on one and D on the other, "

@@ -11,15 +11,21 @@ from dataclasses import dataclass, field
 from leasekit.chaos.faults import FreezerStall, KillFault, SigstopStall
 from leasekit.chaos.faults.onhost import FaultFile, HostFreezerStall, HostPartitionInjector, HostSigstopStall, host_of, remote_site
 from leasekit.chaos.faults.partition import PartitionInjector, PartitionSite, cuts_heartbeats, partition_rules
-from leasekit.chaos.schema import HeartbeatFault, KillFault as KillSpec, NoFault, PartitionFault, StallFault
+from leasekit.chaos.schema import (CONNECTOR_STALLS, HeartbeatFault, KillFault as KillSpec, NoFault, PartitionFault,
+                                   StallFault)
 from leasekit.cluster.pair import PDPair
 from leasekit.lease.config import LeaseTiming
 
 
+WRITER_STALL_WAIT_S = 60.0
+"""Seconds past its duration an armed push writer stall may take to start (P's next WRITE) and be reported."""
+
+
 def not_injectable(fault, target_connectors: dict[str, str]) -> str | None:
     """Why ``fault`` cannot be injected on this target (None if it can)."""
-    if isinstance(fault, StallFault) and fault.method == "forward_pass" and target_connectors[fault.target] != "leasekit":
-        return f"a forward-pass stall needs LeaseKitConnector on {fault.target}; this target runs the stock connector"
+    if isinstance(fault, StallFault) and fault.method in CONNECTOR_STALLS and target_connectors[fault.target] != "leasekit":
+        what = "a forward-pass stall" if fault.method == "forward_pass" else "a push writer stall"
+        return f"{what} needs LeaseKit's connector on {fault.target}; this target runs the stock connector"
     if isinstance(fault, HeartbeatFault) and target_connectors["decode"] != "leasekit":
         return "heartbeat faults live in LeaseKitConnector's send path on D; this target runs the stock connector"
     return None
@@ -58,6 +64,7 @@ class FaultRun:
     say: object = None
     _cleanups: list = field(default_factory=list)
     _partitions: list = field(default_factory=list)
+    _writer_stalls: list = field(default_factory=list)  # (latest end, FaultFile, seq, fault, record), armed
     silences: list[tuple[float, float, float, float, str]] = field(default_factory=list)
     """Intervals P should have received no heartbeat in: (start, end runner monotonic s, start wall
     s, shortest gap P must show in s, label); checked against P's evidence by the executor."""
@@ -133,7 +140,52 @@ class FaultRun:
             self.d_killed = False
         self.windows.append((start, end, f"{fault.signal} {fault.target}"))
 
+    def _writer_stall(self, fault: StallFault) -> None:
+        """Arm a stall of P's push writer thread (LeaseKit's fault point before its next WRITE) and return: it
+        starts when D's next registration is matched, so it overlaps what comes after it (D's slot released,
+        other faults), like a partition; :meth:`finish_partition` waits for P's connector to report it."""
+        control = FaultFile(self.pair, "prefill")
+        armed, armed_wall = time.monotonic(), time.time()
+        seq = control.write({"writer_stall_s": fault.duration_s})
+        self._progress(f"fault: push writer stall of {fault.duration_s:g} s armed on P (at its next WRITE)")
+        record = {"kind": "push_writer_stall", "target": "prefill", "seconds": fault.duration_s,
+                  "armed_monotonic_s": armed, "armed_wall_s": armed_wall}
+        self.records.append(record)
+        self._writer_stalls.append((armed + fault.duration_s + WRITER_STALL_WAIT_S, control, seq, fault, record))
+
+    def _finish_writer_stalls(self) -> None:
+        """Wait (at most :data:`WRITER_STALL_WAIT_S` past each stall's duration) until P's connector reports each
+        armed writer stall done. The stall's own start and end (P's clock, mapped through the state file's clock
+        probes) become its window and the interval P's engine thread must have heard no heartbeat in."""
+        for deadline, control, seq, fault, record in self._writer_stalls:
+            state, stalls = {}, []
+            while True:
+                state = control.state() or {}
+                stalls = (state.get("writer_stalls") or []) if state.get("seq") == seq else []
+                if stalls or time.monotonic() >= deadline:
+                    break
+                time.sleep(0.1)
+            took = bool(stalls) and stalls[-1]["seconds"] >= 0.9 * fault.duration_s
+            record["connector_state"] = stalls[-1] if stalls else None
+            self.effects.append(Effect("push writer stall on prefill", took,
+                                       f"P's connector reported a {stalls[-1]['seconds']:.3f} s writer stall" if stalls
+                                       else "P's connector reported no writer stall (no WRITE came after it was armed)"))
+            if not stalls:
+                self.windows.append((record["armed_monotonic_s"], None, "push writer stall armed on P"))
+                continue
+            # P's perf_counter -> wall (the state's probe pair) -> this runner's monotonic clock
+            start_wall = stalls[-1]["start_perf_s"] + float(state["time"]) - float(state["perf_counter"])
+            start = start_wall + (time.monotonic() - time.time())
+            record.update(injected_monotonic_s=start, injected_wall_s=start_wall)
+            if took:
+                self._expect_silence(start, start + stalls[-1]["seconds"], start_wall, 0.9 * fault.duration_s,
+                                     f"push writer stall of {fault.duration_s:g} s on P")
+            self.windows.append((start, start + stalls[-1]["seconds"], "push writer stall P"))
+        self._writer_stalls = []
+
     def _stall(self, fault: StallFault) -> None:
+        if fault.method == "push_writer":
+            return self._writer_stall(fault)
         server = self._server(fault)
         if fault.method == "forward_pass":
             control = FaultFile(self.pair, fault.target)
@@ -254,14 +306,17 @@ class FaultRun:
         self._partitions.append((start + fault.duration_s, injector, silences, what))
 
     def partitions_end(self) -> float:
-        """When the last partition still in force is to be lifted (``time.monotonic()`` seconds;
-        ``-inf`` with none)."""
-        return max((item[0] for item in self._partitions), default=float("-inf"))
+        """When the last partition still in force is to be lifted, or an armed push writer stall may end at the
+        latest (``time.monotonic()`` seconds; ``-inf`` with none)."""
+        return max([item[0] for item in self._partitions] + [item[0] for item in self._writer_stalls],
+                   default=float("-inf"))
 
     def finish_partition(self) -> None:
-        """Wait out every partition's duration and lift it (no-op without one); records how many
+        """Wait until every armed push writer stall was reported (:meth:`_finish_writer_stalls`), then wait out
+        every partition's duration and lift it (no-op without one); records how many
         packets its rules matched (a partition that matched nothing did not take effect), and for one
         that silenced D's heartbeats, that P must show a heartbeat gap as long as it (less 10 %)."""
+        self._finish_writer_stalls()
         for end, injector, silences, what in sorted(self._partitions, key=lambda item: item[0]):
             time.sleep(max(0.0, end - time.monotonic()))
             injector.recover()

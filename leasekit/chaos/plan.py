@@ -20,7 +20,7 @@ from leasekit.chaos.faults import kill, stall
 from leasekit.chaos.faults._cgroup import hierarchy_roots
 from leasekit.chaos.pool import pair_spec
 from leasekit.chaos.scenario import Scenario
-from leasekit.chaos.schema import HeartbeatFault, KillFault, NoFault, PartitionFault, StallFault
+from leasekit.chaos.schema import CONNECTOR_STALLS, HeartbeatFault, KillFault, NoFault, PartitionFault, StallFault
 from leasekit.cluster import clockshift
 from leasekit.cluster.pair import PDPair
 from leasekit.cluster.pairfile import LOCAL, PairFile
@@ -241,9 +241,11 @@ class _Planner:
                 self.ready(cur["servers"]["decode"], "decode", phase)
             elif role == "decode":
                 cur["decode_dead"] = True
-        elif isinstance(fault, StallFault) and fault.method == "forward_pass":
-            self.add(self.host(role), phase, f"{when}ask {role}'s connector for a {fault.duration_s:g} s forward-pass stall",
-                     write=str(cur["pairs"][role].fault_file(role)), content=json.dumps({"forward_stall_s": fault.duration_s, "seq": SEQ}))
+        elif isinstance(fault, StallFault) and fault.method in CONNECTOR_STALLS:
+            key, what = (("forward_stall_s", "forward-pass stall") if fault.method == "forward_pass"
+                         else ("writer_stall_s", "push writer stall (before its next WRITE)"))
+            self.add(self.host(role), phase, f"{when}ask {role}'s connector for a {fault.duration_s:g} s {what}",
+                     write=str(cur["pairs"][role].fault_file(role)), content=json.dumps({key: fault.duration_s, "seq": SEQ}))
         elif isinstance(fault, StallFault):
             backend, root = _freezer_where(self.dep.is_local(self.host(role)))
             self.add_all(self.host(role), phase, stall.plan_commands(role, fault.method, fault.duration_s, backend=backend, root=root), when)

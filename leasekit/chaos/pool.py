@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from leasekit.chaos.scenario import Scenario
-from leasekit.chaos.schema import HeartbeatFault, NoFault, StallFault
+from leasekit.chaos.schema import CONNECTOR_STALLS, HeartbeatFault, NoFault, StallFault
 from leasekit.cluster.pair import PairSpec, PDPair
 
 
@@ -212,7 +212,7 @@ def unsupported_reason(scenario) -> str | None:
     for fault in scenario.faults:
         if isinstance(fault, (NoFault, HeartbeatFault)):
             continue
-        if isinstance(fault, StallFault) and fault.method == "forward_pass":
+        if isinstance(fault, StallFault) and fault.method in CONNECTOR_STALLS:
             continue
         return f"a {fault.kind} fault ({getattr(fault, 'method', getattr(fault, 'scope', ''))}) needs the processes of a pair leasekit started"
     if scenario.launch != type(scenario.launch)():

@@ -1,4 +1,6 @@
-"""Reports: ``report.json`` (written atomically, also for interrupted runs) and terminal tables."""
+"""Reports: ``report.json`` (written atomically, also for interrupted runs), terminal tables, the
+conformance matrix's rows (scenario x transfer mode x vLLM release x target, per pair file) and the JUnit
+test cases of a run's results."""
 
 from __future__ import annotations
 
@@ -10,8 +12,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from leasekit.chaos import FAIL, PASS
+from leasekit.chaos import FAIL, PASS, UNKNOWN
 from leasekit.chaos.checks import CheckResult
+from leasekit.chaos.junit import JUnitCase
 
 _STYLE = {PASS: "green", FAIL: "bold red"}
 
@@ -93,11 +96,13 @@ def print_check(console: Console, check: CheckResult, prefix: str) -> None:
         console.print(f"{_verdict(check.verdict)} {title}")
 
 
-def print_results(report: dict, results: list, console: Console | None = None) -> None:
-    """Every result's checks and effects, then the scenario x transfer mode x target matrix and the overall line."""
+def print_results(report: dict, results: list, console: Console | None = None, *,
+                  labels: dict[str, str] | None = None) -> None:
+    """Every result's checks and effects, then the conformance matrix (:func:`matrix_table`: scenario x
+    transfer mode x vLLM release x target; ``labels``: as there) and the overall line."""
     console = console or make_console()
     for r in results:
-        console.rule(f"{r.scenario} / {r.target} ({r.incident})")
+        console.rule(f"{r.scenario} / {r.target} ({r.incident}; vLLM {r.vllm_release})")
         for effect in r.effects:
             mark = "[green]in effect[/]" if effect.took_effect else "[bold red]NOT in effect[/]"
             console.print(f"  fault {effect.fault}: {mark} - {effect.evidence}")
@@ -110,26 +115,90 @@ def print_results(report: dict, results: list, console: Console | None = None) -
         expected = "" if r.as_expected else f" (expected {r.expected})"
         defect = f"\n  known defect: {r.known_defect}" if r.known_defect and r.verdict == FAIL else ""
         console.print(f"{r.scenario} / {r.target}: {_verdict(r.verdict)}{expected} - {r.summary}{defect}")
-    targets = sorted({r.target for r in results}, key=lambda t: (t != "leasekit", t))
     if results:
-        table = Table(title="conformance: verdict per scenario, transfer mode and target (expected in brackets when different)",
-                      title_justify="left")
-        table.add_column("scenario")
-        table.add_column("mode")
-        table.add_column("incident")
-        for target in targets:
-            table.add_column(target)
-        for scenario, cells in report.get("matrix", {}).items():
-            incident = next((r.incident for r in results if r.scenario == scenario), "")
-            mode = next((r.mode for r in results if r.scenario == scenario), "pull")
-            row = [scenario, mode, incident]
-            for target in targets:
-                cell = cells.get(target)
-                if cell is None:
-                    row.append("-")
-                else:
-                    text = _verdict(cell["verdict"])
-                    row.append(text if cell["verdict"] == cell["expected"] else f"{text} [{cell['expected']}]")
-            table.add_row(*row)
-        console.print(table)
+        console.print(matrix_table(results, labels=labels))
     console.print(f"overall: {_verdict(report.get('verdict', 'UNKNOWN'))} ({report.get('status')}) - report {report.get('report_path')}")
+
+
+def _targets(results: list) -> list[str]:
+    return sorted({r.target for r in results}, key=lambda t: (t != "leasekit", t))
+
+
+def matrix_rows(results: list) -> list[dict]:
+    """The conformance matrix of ``results`` (:class:`leasekit.chaos.result.ScenarioResult`): one row per
+    pair file, scenario, transfer mode and vLLM release, in the order they first ran, as ``{"scenario",
+    "mode", "vllm_release", "pair_file", "incident", "targets": {target: {"verdict", "expected"}}}``
+    (``report.json``'s ``matrix_rows``; the terminal table prints the same rows)."""
+    rows: dict[tuple, dict] = {}
+    for r in results:
+        key = (r.pair_file, r.scenario, r.mode, r.vllm_release)
+        row = rows.setdefault(key, {"scenario": r.scenario, "mode": r.mode, "vllm_release": r.vllm_release,
+                                    "pair_file": r.pair_file, "incident": r.incident, "targets": {}})
+        row["targets"][r.target] = {"verdict": r.verdict, "expected": r.expected}
+    return list(rows.values())
+
+
+def pair_file_label(pair_file: str | None, labels: dict[str, str] | None = None) -> str:
+    """How the matrix and JUnit name a result's pair file: its label in ``labels`` (pair file as given ->
+    a unique label; a run over several pair files passes each file's sub-directory name, ``01-cpu-local``),
+    else the path as given (``"default"`` for none). Not the file's base name: two files may share one."""
+    if pair_file is None:
+        return "default"
+    return (labels or {}).get(pair_file, pair_file)
+
+
+def matrix_table(results: list, *, labels: dict[str, str] | None = None) -> Table:
+    """The terminal conformance matrix: scenario, mode, vLLM (the release the pair reported), the pair
+    file (only when several ran; :func:`pair_file_label` with ``labels``), incident, then a column per
+    target; the expected verdict in brackets when the verdict differs."""
+    rows = matrix_rows(results)
+    targets = _targets(results)
+    several = len({row["pair_file"] for row in rows}) > 1
+    table = Table(title="conformance: verdict per scenario, transfer mode, vLLM release and target "
+                        "(expected in brackets when different)", title_justify="left")
+    for column in ("scenario", "mode", "vLLM", *(("pair file",) if several else ()), "incident", *targets):
+        table.add_column(column)
+    for row in rows:
+        cells = []
+        for target in targets:
+            cell = row["targets"].get(target)
+            if cell is None:
+                cells.append("-")
+                continue
+            text = _verdict(cell["verdict"])
+            cells.append(text if cell["verdict"] == cell["expected"] else f"{text} [{cell['expected']}]")
+        pair = (pair_file_label(row["pair_file"], labels),) if several else ()
+        table.add_row(row["scenario"], row["mode"], row["vllm_release"], *pair, row["incident"], *cells)
+    return table
+
+
+def junit_verdict(result) -> str:
+    """The JUnit outcome is keyed on the expectation, so CI's colour matches the exit code: an
+    expected verdict passes (an expected UNKNOWN is "skipped"); an unexpected FAIL or PASS is a
+    failure; a harness error or an unexpected UNKNOWN is an error."""
+    if result.as_expected:
+        return UNKNOWN if result.verdict == UNKNOWN else "PASS"
+    if result.summary.startswith("harness error"):
+        return "HARNESS ERROR"
+    return "UNEXPECTED UNKNOWN" if result.verdict == UNKNOWN else FAIL
+
+
+def junit_cases(results: list, *, labels: dict[str, str] | None = None) -> list[JUnitCase]:
+    """One JUnit test case per result: name the scenario, classname the target, properties
+    ``transfer_mode``, ``vllm_release`` and (when set) ``pair_file``. ``labels`` (pair file as given -> a
+    unique label; given when several pair files ran): the name also carries the pair file's label
+    (:func:`pair_file_label`) and the release (``kill-decode [02-vllm-033, vLLM 0.33.0]``), so no two cases
+    share a name and classname, even for two pair files with one base name."""
+    cases = []
+    for r in results:
+        name = r.scenario if labels is None else f"{r.scenario} [{pair_file_label(r.pair_file, labels)}, vLLM {r.vllm_release}]"
+        cases.append(JUnitCase(
+            name=name, target=r.target, verdict=junit_verdict(r), duration_s=r.duration_s,
+            bound=next((c.details.get("bound") for c in r.checks if c.details.get("bound")), None),
+            measured=next((c.details.get("min_margin_s") for c in r.checks if c.details.get("min_margin_s") is not None), None),
+            reason=f"{r.verdict} (expected {r.expected}): {r.summary}"
+                   + (f" [known defect: {r.known_defect}]" if r.known_defect and r.expected == FAIL else ""),
+            evidence="\n".join(f"{c.name}: {c.verdict} - {c.summary}" for c in r.checks),
+            properties={"transfer_mode": r.mode, "vllm_release": r.vllm_release, "pair_file": r.pair_file or ""},
+        ))
+    return cases

@@ -12,7 +12,13 @@ from leasekit.chaos.checks import CheckResult
 
 @dataclass
 class ScenarioResult:
-    """The outcome of one scenario on one target."""
+    """The outcome of one scenario on one target.
+
+    ``mode`` and ``vllm_release`` are the conformance matrix's other axes: the transfer mode (``pull`` or
+    ``push``) and the vLLM release the pair reported on ``GET /version`` (``"0.32.0"``; a mixed pair
+    ``"P 0.33.0 / D 0.32.0"``; ``"unknown"`` when unreadable; see :mod:`leasekit.cluster.vllmrelease`).
+    ``pair_file``: the pair file of the run (a matrix row key when several ran; None without ``--pair``).
+    """
 
     scenario: str
     target: str
@@ -32,6 +38,8 @@ class ScenarioResult:
     known_defect: str | None = None
     expected_failing: list[str] = field(default_factory=list)
     mode: str = "pull"  # NIXL transfer mode of the pair: pull, or push (vLLM's NixlPushConnector)
+    vllm_release: str = "unknown"  # what the pair's GET /version reported (leasekit.cluster.vllmrelease)
+    pair_file: str | None = None  # the --pair file this ran on (None: the CPU default pair)
 
     @property
     def as_expected(self) -> bool:
@@ -46,8 +54,10 @@ class ScenarioResult:
         return steady_ok and failed == {name.replace("_", "-") for name in self.expected_failing}
 
     def to_json(self) -> dict:
+        """The result as ``report.json`` holds it (times in seconds)."""
         return {
-            "scenario": self.scenario, "target": self.target, "mode": self.mode, "incident": self.incident,
+            "scenario": self.scenario, "target": self.target, "mode": self.mode, "vllm_release": self.vllm_release,
+            "pair_file": self.pair_file, "incident": self.incident,
             "verdict": self.verdict, "expected": self.expected, "as_expected": self.as_expected,
             "summary": self.summary, "known_defect": self.known_defect, "expected_failing_checks": self.expected_failing,
             "steady_state": None if self.steady_state is None else self.steady_state.to_json(),

@@ -17,6 +17,7 @@ from pydantic import BaseModel, Field, PrivateAttr, ValidationError, model_valid
 from leasekit.chaos.leasetime import field_bounds, resolve
 from leasekit.cluster.tomlfile import read_toml
 from leasekit.chaos.schema import (
+    CONNECTOR_STALLS,
     ExpectSection,
     Fault,
     KillFault,
@@ -108,7 +109,19 @@ class Scenario(Strict):
                 raise ValueError(f"faults.{i}.target: heartbeat faults live in D's send path: 'decode' only")
             if isinstance(fault, KillFault) and fault.restart_after_s is not None and fault.target != "decode":
                 raise ValueError(f"faults.{i}.restart_after_s: only a killed D is restarted (target = 'decode')")
-            connector_only = isinstance(fault, HeartbeatFault) or (isinstance(fault, StallFault) and fault.method == "forward_pass")
+            connector_only = isinstance(fault, HeartbeatFault) or (isinstance(fault, StallFault)
+                                                                   and fault.method in CONNECTOR_STALLS)
+            if isinstance(fault, StallFault) and fault.method == "push_writer":
+                if fault.target != "prefill" or self.topology.transfer_mode != "push":
+                    raise ValueError(f"faults.{i}: method = 'push_writer' stalls P's push writer thread: it needs "
+                                     "target = 'prefill' and topology.transfer_mode = 'push'")
+                if len(self.faults) > 1:  # it starts only at P's next WRITE: its window cannot be ordered with others
+                    raise ValueError(f"faults.{i}: a push_writer stall must be the scenario's only fault "
+                                     f"(it has {len(self.faults)}): split the scenario")
+                if w.kind != "queued" or w.hold_decode_slot_s is None:
+                    raise ValueError(f"faults.{i}: a push_writer stall starts at P's next WRITE, so D must register "
+                                     "while it is armed: use workload.kind = 'queued' with hold_decode_slot_s set "
+                                     "after the fault's after_s (e.g. \"2H + 1.5s\")")
             if connector_only and "stock" in self.topology.targets and self.expect.stock != "UNKNOWN":
                 raise ValueError(f"faults.{i}: a {fault.kind} fault cannot be injected into the stock connector: "
                                  "set expect.stock = 'UNKNOWN' or drop 'stock' from topology.targets")

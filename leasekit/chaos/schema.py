@@ -123,12 +123,18 @@ class KillFault(_FaultBase):
     restart_after_s: lease_seconds(ge=0, le=3600, optional=True) = None
 
 
+CONNECTOR_STALLS = ("forward_pass", "push_writer")
+"""Stall methods that are fault points inside LeaseKit's connector (a stock connector has none)."""
+
+
 class StallFault(_FaultBase):
-    """Stop a server for ``duration_s``: SIGSTOP/SIGCONT, the cgroup freezer, or a forward-pass stall
-    inside LeaseKitConnector (not available on a stock connector)."""
+    """Stop a server for ``duration_s``: SIGSTOP/SIGCONT, the cgroup freezer, or a fault point inside LeaseKit's
+    connector (not available on a stock connector): ``forward_pass`` (one forward pass takes ``duration_s``) or
+    ``push_writer`` (push mode, P: vLLM's ``nixl-push-writer`` thread sleeps ``duration_s`` before its next WRITE;
+    armed at ``after_s``, it starts when that WRITE comes)."""
 
     kind: Literal["stall"]
-    method: Literal["sigstop", "freezer", "forward_pass"] = "sigstop"
+    method: Literal["sigstop", "freezer", "forward_pass", "push_writer"] = "sigstop"
     duration_s: lease_seconds(gt=0, le=600)
 
 

@@ -22,9 +22,9 @@ from leasekit.chaos.execute import ScenarioExecution
 from leasekit.chaos.result import ScenarioResult
 from leasekit.chaos.faults.netns import cleanup_stale_namespaces
 from leasekit.chaos.faults.stall import cleanup_stale_cgroups
-from leasekit.chaos.junit import JUnitCase, write_junit
+from leasekit.chaos.junit import write_junit
 from leasekit.chaos.pool import PairPool, pair_spec
-from leasekit.chaos.report import make_console, print_results, write_json
+from leasekit.chaos.report import junit_cases, make_console, matrix_rows, print_results, write_json
 from leasekit.chaos.scenario import Scenario
 from leasekit.chaos.schema import KillFault
 
@@ -116,14 +116,30 @@ def plan(scenarios: list[Scenario], targets: list[str] | None = None) -> list[tu
     return sorted(runs, key=key)
 
 
+def overall_verdict(results: list[ScenarioResult], status: str) -> str:
+    """PASS when every run completed with its expected verdict; FAIL when a run FAILed unexpectedly, or
+    PASSed (or failed other checks) where a known defect was expected; else UNKNOWN (an unexpected UNKNOWN,
+    a harness error, a ``status`` other than ``completed``, no results)."""
+    unexpected = [r for r in results if not r.as_expected]
+    if any(r.verdict in (FAIL, "PASS") for r in unexpected):
+        return FAIL
+    if status != "completed" or not results or unexpected:
+        return UNKNOWN
+    return "PASS"
+
+
 class Suite:
     """Runs planned scenarios; ``execute`` returns the report dict. ``deployment``: the pair file's
-    servers (a :class:`leasekit.cluster.pairfile.PairFile`; None: the CPU default)."""
+    servers (a :class:`leasekit.cluster.pairfile.PairFile`; None: the CPU default); ``pair_file``: its
+    path as given (each result's ``pair_file``). Each result carries the vLLM release its pair reported
+    when the scenario ended (``vllm_release``, :mod:`leasekit.cluster.vllmrelease`; after a D restart inside
+    the scenario, the new D's; a partial result of an interrupted scenario keeps the one it started with)."""
 
     def __init__(self, runs: list[tuple[Scenario, str]], run_dir: str | Path, *, start_timeout_s: float = 300.0,
-                 console: Console | None = None, pool=None, deployment=None):
+                 console: Console | None = None, pool=None, deployment=None, pair_file: str | None = None):
         self.runs = runs
         self.deployment = deployment
+        self.pair_file = pair_file
         self.run_dir = Path(run_dir).resolve()
         if console is None:
             console = Console(stderr=True, log_path=False)
@@ -138,6 +154,7 @@ class Suite:
         self.started_at = _now_iso()
         self._steady_cache: dict = {}
         self._current: ScenarioExecution | None = None
+        self._pairless: list[ScenarioResult] = []
 
     def _say(self, message: str) -> None:
         self.console.log(message)
@@ -159,9 +176,11 @@ class Suite:
         except KeyboardInterrupt:
             raise
         except Exception as exc:  # noqa: BLE001 - one scenario's harness error is its verdict
+            pair = getattr(self.pool, "current", None)  # the pair that failed, when it got as far as /version
             result = ScenarioResult(scenario.name, target, UNKNOWN, scenario.expect.verdict_for(target),
                                     f"harness error: {type(exc).__name__}: {exc}", incident=scenario.incident,
-                                    mode=scenario.topology.transfer_mode)
+                                    mode=scenario.topology.transfer_mode, pair_file=self.pair_file,
+                                    vllm_release=getattr(exc, "vllm_release", getattr(pair, "vllm_release", "unknown")))
             result.notes.append(traceback.format_exc())
             getattr(self.pool, "close_current", self.pool.close)()  # a pair warming up for later stays
         self.results.append(result)
@@ -172,13 +191,19 @@ class Suite:
         out = self.run_dir / "scenarios"
         out.mkdir(parents=True, exist_ok=True)
         if not _needs_pair(scenario, target):  # the fault cannot be injected here: UNKNOWN, no pair needed
-            return ScenarioExecution(scenario, target, None, out, say=self._say).execute()  # type: ignore[arg-type]
+            result = ScenarioExecution(scenario, target, None, out, say=self._say).execute()  # type: ignore[arg-type]
+            result.pair_file = self.pair_file
+            self._pairless.append(result)  # its release: the suite's, once known (_fill_releases)
+            return result
         pair = self.pool.get(self.pair_spec(scenario, target))
         self._prefetch_after(scenario, target)
         execution = ScenarioExecution(scenario, target, pair, out, say=self._say, steady_cache=self._steady_cache)
+        execution.result.vllm_release = getattr(pair, "vllm_release", "unknown")  # also on a partial result
+        execution.result.pair_file = self.pair_file
         self._current = execution  # kept on KeyboardInterrupt: abort() and finish() need it
         try:
             result = execution.execute()
+            result.vllm_release = getattr(pair, "vllm_release", result.vllm_release)  # as the scenario left it (D restarted)
         except KeyboardInterrupt:
             raise
         except BaseException:
@@ -217,8 +242,8 @@ class Suite:
         for spec in upcoming[: self.PREFETCH_PAIRS]:
             pool.prefetch_pair(spec)
 
-    def execute(self) -> dict:
-        """Run everything, tear down, write and print the reports; returns the report dict."""
+    def execute(self, *, show: bool = True) -> dict:
+        """Run everything, tear down, write the reports and (``show``) print them; returns the report dict."""
         try:
             with interrupts_as_keyboard_interrupt():
                 for index, (scenario, target) in enumerate(self.runs, 1):
@@ -233,7 +258,8 @@ class Suite:
             self.console.print(traceback.format_exc(), markup=False, highlight=False)
         finally:
             report = self.finish()
-        print_results(report, self.results, make_console())
+        if show:
+            print_results(report, self.results, make_console())
         if self.error:
             self.console.print(f"[red]{self.error}[/]")
         return report
@@ -277,20 +303,28 @@ class Suite:
                     self.error = f"{self.error}; {problem}" if self.error else problem
                     if self.status == "completed":
                         self.status = "error"
+            self._fill_releases()
             report = self.report()
             self._write(report)
         return report
 
+    def _fill_releases(self) -> None:
+        """Results no pair ran for (a fault a target cannot take: UNKNOWN by design) and harness errors whose
+        release is ``"unknown"`` (a pair start that failed before ``/version`` was read) get the release this
+        suite's pairs reported, when they all reported one and the same: every pair of a suite starts from
+        the same pair file and interpreters, so that is the release the cell stands for (and its matrix row
+        does not split in two)."""
+        pairless = {id(r) for r in self._pairless}
+        fill = [r for r in self.results if id(r) in pairless
+                or (r.vllm_release == "unknown" and r.summary.startswith("harness error"))]
+        measured = {r.vllm_release for r in self.results if r.vllm_release != "unknown" and id(r) not in pairless}
+        if len(measured) == 1:
+            for r in fill:
+                r.vllm_release = next(iter(measured))
+
     def overall(self) -> str:
-        """PASS when every run completed with its expected verdict; FAIL when a run FAILed
-        unexpectedly, or PASSed (or failed other checks) where a known defect was expected; else
-        UNKNOWN (an unexpected UNKNOWN, a harness error, an interrupted or empty run)."""
-        unexpected = [r for r in self.results if not r.as_expected]
-        if any(r.verdict in (FAIL, "PASS") for r in unexpected):
-            return FAIL
-        if self.status != "completed" or not self.results or unexpected:
-            return UNKNOWN
-        return "PASS"
+        """:func:`overall_verdict` of this suite's results and status."""
+        return overall_verdict(self.results, self.status)
 
     def harness_errors(self) -> list[str]:
         """``scenario/target`` of every run that ended in a harness error."""
@@ -300,7 +334,8 @@ class Suite:
         """The JSON report (valid for interrupted and failed runs too)."""
         matrix: dict = {}
         for r in self.results:
-            matrix.setdefault(r.scenario, {})[r.target] = {"verdict": r.verdict, "expected": r.expected, "mode": r.mode}
+            matrix.setdefault(r.scenario, {})[r.target] = {"verdict": r.verdict, "expected": r.expected, "mode": r.mode,
+                                                           "vllm_release": r.vllm_release}
         return {
             "leasekit_version": __version__,
             "status": self.status,
@@ -312,7 +347,10 @@ class Suite:
             "report_path": str(self.run_dir / "report.json"),
             "junit_path": str(self.run_dir / "junit.xml"),
             "planned": [{"scenario": s.name, "target": t} for s, t in self.runs],
+            "pair_file": self.pair_file,
+            "vllm_releases": sorted({r.vllm_release for r in self.results}),
             "matrix": matrix,
+            "matrix_rows": matrix_rows(self.results),
             "harness_errors": self.harness_errors(),
             "results": [r.to_json() for r in self.results],
             "pairs": self.pool.started,
@@ -321,33 +359,11 @@ class Suite:
     def _write(self, report: dict) -> None:
         try:
             write_json(self.run_dir / "report.json", report)
-            cases = [
-                JUnitCase(
-                    name=r.scenario, target=r.target, verdict=_junit_verdict(r), duration_s=r.duration_s,
-                    bound=next((c.details.get("bound") for c in r.checks if c.details.get("bound")), None),
-                    measured=next((c.details.get("min_margin_s") for c in r.checks if c.details.get("min_margin_s") is not None), None),
-                    reason=f"{r.verdict} (expected {r.expected}): {r.summary}"
-                           + (f" [known defect: {r.known_defect}]" if r.known_defect and r.expected == FAIL else ""),
-                    evidence="\n".join(f"{c.name}: {c.verdict} - {c.summary}" for c in r.checks),
-                    properties={"transfer_mode": r.mode},
-                )
-                for r in self.results
-            ]
+            cases = junit_cases(self.results)
             write_junit(self.run_dir / "junit.xml", "leasekit-chaos", cases)
         except OSError as exc:
             self.error = f"{self.error + '; ' if self.error else ''}could not write the reports: {exc}"
             report["error"] = self.error
-
-
-def _junit_verdict(result: ScenarioResult) -> str:
-    """The JUnit outcome is keyed on the expectation, so CI's colour matches the exit code: an
-    expected verdict passes (an expected UNKNOWN is "skipped"); an unexpected FAIL or PASS is a
-    failure; a harness error or an unexpected UNKNOWN is an error."""
-    if result.as_expected:
-        return UNKNOWN if result.verdict == UNKNOWN else "PASS"
-    if result.summary.startswith("harness error"):
-        return "HARNESS ERROR"
-    return "UNEXPECTED UNKNOWN" if result.verdict == UNKNOWN else FAIL
 
 
 def _needs_pair(scenario: Scenario, target: str) -> bool:

@@ -25,6 +25,7 @@ import httpx
 from leasekit.cluster.pair import PairSpec, random_prompt
 from leasekit.cluster.router import Router
 from leasekit.cluster.server import scrape_metrics
+from leasekit.cluster.vllmrelease import UNKNOWN_RELEASE, measure_pair
 
 
 class ExternalPairError(RuntimeError):
@@ -98,6 +99,8 @@ class ExternalPair:
         self.spec = PairSpec(prefill_connector=target, decode_connector=target, lease_duration_s=lease_duration_s,
                              fault_files=target == "leasekit", lease_logging=target == "stock")
         self.router: Router | None = None
+        self.vllm_releases: dict[str, str] = {}  # role -> what its GET /version reported (set by start)
+        self.vllm_release = UNKNOWN_RELEASE
         self.rng = random.Random(0)
         host = urlsplit(self.prefill.url).hostname or ""
         self.shares_host_clock = host in ("127.0.0.1", "localhost", "::1")
@@ -110,6 +113,7 @@ class ExternalPair:
             if not server.healthy(5.0):
                 raise ExternalPairError(f"external {role} server {server.url} does not answer /health")
         self.router = Router(self.prefill.url, self.decode.url)
+        self.vllm_releases, self.vllm_release = measure_pair(self)  # each server's GET /version
         return self
 
     def matches(self, spec: PairSpec) -> str | None:

@@ -21,6 +21,7 @@ from leasekit.cluster.router import Router, RoutedResult
 from leasekit.cluster.server import ServerStartTimeout, VllmServer
 from leasekit.cluster.serverspec import ServerSpec
 from leasekit.cluster.testbed import PlannedTestbed, Testbed
+from leasekit.cluster.vllmrelease import UNKNOWN_RELEASE, measure_pair
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,8 @@ class PDPair:
         self.rng = random.Random(0)
         self.startup_s: dict[str, float] = {}
         self.start_retries: list[str] = []
+        self.vllm_releases: dict[str, str] = {}  # role -> the release its GET /version reported, once healthy
+        self.vllm_release = UNKNOWN_RELEASE  # both as one string (leasekit.cluster.vllmrelease.pair_label)
 
     @classmethod
     def planned(cls, spec: PairSpec, run_dir: str | Path, *, testbed=None) -> "PDPair":
@@ -207,8 +210,13 @@ class PDPair:
         """Start both servers (concurrently; or promote a pair :meth:`launch`-ed idle), wait for
         health, warm up; returns self.
 
+        Once both are healthy, each server's vLLM release is read from ``GET /version`` into
+        :attr:`vllm_releases` and :attr:`vllm_release` ("unknown" where unreadable).
+
         Raises:
             ServerStartError / WarmUpError: with the server log tail; both servers are stopped first.
+            leasekit.cluster.vllmrelease.VllmReleaseMismatch: a server reports another release than the pair
+                file's ``vllm_release`` (both servers are stopped first).
         """
         try:
             if self.prefill.proc is None:
@@ -218,6 +226,7 @@ class PDPair:
             self.decode.promote()
             self.startup_s["prefill"] = self._wait_healthy_or_restart("prefill")
             self.startup_s["decode"] = self._wait_healthy_or_restart("decode")
+            self.vllm_releases, self.vllm_release = measure_pair(self)
             self.router = Router(self.prefill.url, self.decode.url)
             if self.spec.warm_up:
                 self.warm_up()
@@ -306,7 +315,13 @@ class PDPair:
         return self._route_to_new_decode(warm_up)
 
     def _route_to_new_decode(self, warm_up: bool) -> VllmServer:
-        """Point the router at the current D and, if asked, warm the pair up; returns D."""
+        """Read the new D's release (P's is kept; an unreadable D keeps the release known before), point
+        the router at the current D and, if asked, warm the pair up; returns D.
+
+        Raises:
+            leasekit.cluster.vllmrelease.VllmReleaseMismatch: as in :meth:`start`.
+        """
+        self.vllm_releases, self.vllm_release = measure_pair(self, roles=("decode",))
         if self.router is not None:
             self.router.close()
         self.router = Router(self.prefill.url, self.decode.url)

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from leasekit.cluster.tomlfile import read_toml
 
@@ -47,7 +47,10 @@ RESERVED_ENV = {
 }
 """Environment variables leasekit sets itself, and the fix."""
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-_HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+_HF_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+VLLM_RELEASE = re.compile(r"\d+\.\d+\.\d+((a|b|rc)\d+)?(\.post\d+)?(\.dev\d+)?")
+"""The form of ``vllm_release`` (whole value, ``fullmatch``: no trailing newline): a PEP 440 release as vLLM's
+``/version`` reports it, local part dropped."""
 
 
 class PairFileError(ValueError):
@@ -164,7 +167,7 @@ class RoleSpec(_Strict):
                            f"{self.load_format!r}); fix: remove it, or set {role}.model to a real model")
             if self.allow_download:
                 out.append(f"{role}.allow_download: nothing to download without {role}.model; fix: remove it")
-        elif not self.model_is_path() and not _HF_ID.match(self.model or ""):
+        elif not self.model_is_path() and not _HF_ID.fullmatch(self.model or ""):
             out.append(f"{role}.model: {self.model!r} is neither a path (absolute, '~', './' or '../') nor a Hugging "
                        "Face model id ('org/name'); fix: e.g. model = 'Qwen/Qwen2.5-0.5B-Instruct' or '/models/qwen'")
         if role == "decode" and self.max_num_seqs is not None:
@@ -183,10 +186,21 @@ class RoleSpec(_Strict):
 
 
 class PairFile(_Strict):
-    """A whole pair file: ``lease_duration_s`` (seconds; ``--lease-duration`` overrides it),
-    ``[hosts.<name>]`` tables and the ``[prefill]`` and ``[decode]`` servers."""
+    """A whole pair file: ``lease_duration_s`` (seconds; ``--lease-duration`` overrides it), ``vllm_release``
+    (the vLLM release P and D must report on ``GET /version``, else the pair start is refused:
+    :mod:`leasekit.cluster.vllmrelease`), ``[hosts.<name>]`` tables and the ``[prefill]`` and ``[decode]`` servers."""
 
     lease_duration_s: float | None = Field(None, gt=0, le=3600)
+    vllm_release: str | None = None
+
+    @field_validator("vllm_release")
+    @classmethod
+    def _release_form(cls, value: str | None) -> str | None:
+        if value is None or VLLM_RELEASE.fullmatch(value):
+            return value
+        local = f"drop the local part: '{value.split('+', 1)[0]}'" if "+" in value else "e.g. vllm_release = '0.33.0'"
+        raise ValueError(f"vllm_release: {value!r} is not a vLLM release; allowed: MAJOR.MINOR.PATCH with an optional "
+                         f"PEP 440 pre-release, .post or .dev part ('0.33.0', '0.34.0rc1'); fix: {local}")
     hosts: dict[str, HostSpec] = Field(default_factory=dict)
     prefill: RoleSpec = RoleSpec()
     decode: RoleSpec = RoleSpec()
@@ -324,6 +338,7 @@ _FIXES = {
     "side_channel_port": "a port from 1 to 65535, or 0 for a free one picked at start",
     "ssh_port": "the host's SSH port, 1 to 65535 (default 22)",
     "lease_duration_s": "seconds with 0 < L <= 3600, or leave it out (each scenario's lease, or --lease-duration)",
+    "vllm_release": "a quoted release, e.g. vllm_release = '0.33.0', or leave it out",
     "dtype": f"one of {', '.join(DTYPES)}",
     "load_format": "one of the values listed, or leave it out",
     "tensor_parallel_size": "1 to 64, at most the GPUs in cuda_visible_devices",

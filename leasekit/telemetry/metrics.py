@@ -44,11 +44,12 @@ MODE_LABEL = "mode"
 TRANSFER_MODES = ("pull", "push")
 """``mode`` label values: ``pull`` (LeaseKitConnector: D READs P's KV blocks) and ``push``
 (LeaseKitPushConnector: P WRITEs them into D's)."""
-PUSH_WRITE_OUTCOMES = ("issued", "done", "failed", "late")
+PUSH_WRITE_OUTCOMES = ("issued", "done", "failed", "late", "refused")
 """``outcome`` label values of :data:`PUSH_WRITES_METRIC`: ``issued`` (P's writer submitted the WRITEs of a lease),
 ``done`` (all of them finished while the lease was held: the lease was released), ``failed`` (NIXL reported one
 failed: the lease is held until it expires), ``late`` (they finished after the lease had expired: P had freed the
-source blocks, D may hold reused data)."""
+source blocks, D may hold reused data), ``refused`` (P's writer reached the WRITE only after the lease had expired
+and did not submit it: no reused blocks reach D, and D gets no KV for that request)."""
 
 EXPIRY_CAUSES = ("no_heartbeat", "heartbeat_lapsed", "max_hold")
 """``cause`` label values of expiries: ``no_heartbeat``: the lease expired without one delivered
@@ -274,7 +275,8 @@ SPANS_DROPPED = MetricSpec(
 PUSH_WRITES_METRIC = MetricSpec(
     PREFIX + "push_writes", "counter",
     "Push mode: P's WRITEs of leased KV blocks into D, by outcome (issued, done, failed, late: finished after the "
-    "lease expired, D may hold reused blocks): counts per request per P TP rank.", _RANK + ("outcome",), "P",
+    "lease expired, D may hold reused blocks; refused: not submitted, the lease had expired): counts per request per "
+    "P TP rank.", _RANK + ("outcome",), "P",
     modes=("push",))
 PUSH_LATE_WRITES = MetricSpec(
     PREFIX + "push_late_writes", "counter",

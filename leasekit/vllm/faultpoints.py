@@ -5,6 +5,9 @@ launch); each worker checks the file's mtime once per engine step (one ``os.stat
 
 - ``forward_stall_s``: sleep that long inside the next forward pass (``start_load_kv``), once per
   control ``seq`` — one forward pass takes N seconds, delaying heartbeats and notifications;
+- ``writer_stall_s`` (push mode, P): vLLM's ``nixl-push-writer`` thread sleeps that long right before it
+  submits the next WRITE (``_xfer_blocks_for_req``), once per control ``seq``: the writer thread, which alone
+  drains P's NIXL notifications in push mode, hears nothing meanwhile;
 - ``heartbeats``: ``{"drop_next": k}`` drops the next k heartbeat batches in a row,
   ``{"drop_fraction": f}`` drops each batch with probability f, ``{"delay_s": x}`` sends each batch
   x seconds late (on the first step after that), ``{"duplicate": n}`` sends each batch n times,
@@ -57,7 +60,8 @@ def read_state(path: str, tp_rank: int = 0) -> dict | None:
 
 
 def _fresh_state(errors: int = 0) -> dict:
-    return {"heartbeat_batches_seen": 0, "dropped": [], "delayed": 0, "duplicated": 0, "stalls": [], "errors": errors}
+    return {"heartbeat_batches_seen": 0, "dropped": [], "delayed": 0, "duplicated": 0, "stalls": [], "writer_stalls": [],
+            "errors": errors}
 
 
 @dataclass
@@ -71,6 +75,8 @@ class FaultPoints:
     control: dict = field(default_factory=dict)
     seq: Any = None
     stall_done_seq: Any = None
+    writer_stall_done_seq: Any = None
+    writer_plan: tuple = (None, 0.0)  # (seq, writer_stall_s) of the loaded control, for the writer thread
     drop_left: int = 0
     delay_next_left: float = 0.0
     delayed: list = field(default_factory=list)  # (due perf_counter, heartbeat_by_engine)
@@ -106,6 +112,11 @@ class FaultPoints:
             self.state["errors"] += 1
             return
         self.control = control
+        try:
+            self.writer_plan = (control.get("seq"), max(0.0, float(control.get("writer_stall_s") or 0.0)))
+        except (TypeError, ValueError):
+            self.state["errors"] += 1
+            self.writer_plan = (control.get("seq"), 0.0)
         if control.get("seq") != self.seq:
             self.seq = control.get("seq")
             self.state = _fresh_state(errors=self.state["errors"])
@@ -128,6 +139,21 @@ class FaultPoints:
             return 0.0
         self.stall_done_seq = self.seq
         return stall
+
+    def writer_stall(self) -> float:
+        """Seconds P's push writer thread should sleep before its next WRITE (once per control seq); 0.0 if none.
+        Called on the writer thread: reads the control the engine thread's :meth:`poll` loaded."""
+        seq, stall = self.writer_plan  # one tuple, replaced whole by poll(): never a control and a seq of two reads
+        if stall <= 0 or self.writer_stall_done_seq == seq:
+            return 0.0
+        self.writer_stall_done_seq = seq
+        return stall
+
+    def record_writer_stall(self, start: float, end: float) -> None:
+        """Report a push writer stall that ran from ``start`` to ``end`` (perf_counter seconds)."""
+        self.state.setdefault("writer_stalls", []).append({"start_perf_s": start, "end_perf_s": end,
+                                                           "seconds": end - start})
+        self.write_state()
 
     def record_stall(self, start: float, end: float) -> None:
         """Report a forward-pass stall that ran from ``start`` to ``end`` (perf_counter seconds)."""

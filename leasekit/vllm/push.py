@@ -13,6 +13,10 @@ vLLM's compatibility hash (its ``_TRANSFER_MODE`` stays ``"push"``). Hooks of vl
   names a lease P holds, names an allowed D address and is the lease's first
   (:mod:`leasekit.lease.pushreg`; otherwise counted in ``leasekit_kv_lease_notifications_dropped_total{reason}``);
 - P, WRITE issued: ``_xfer_blocks_for_req`` (writer thread) -> ``leasekit.push.write_issued_*`` on the lease span;
+  the WRITE of a lease P's reap already ended is refused (``outcome="refused"``: its blocks may be reused);
+- P, a stalled writer thread: the writer alone drains NIXL in push mode, so P's reap judges D's silence only up to
+  the writer's last poll, waiting at most ``E`` for it (:meth:`leasekit.vllm.pushflow.PushFlow.reap_clock`):
+  a writer stall does not expire the leases of a D that kept heartbeating;
 - P, WRITE done: vLLM reports the lease in ``finished_sending`` -> the lease is released; a WRITE that finished
   after its lease expired (P had freed, maybe reused, the source blocks) is a late write
   (``kv_lease_late_write`` span, ``leasekit_kv_lease_push_writes_total{outcome="late"}``, a WARNING);
@@ -154,13 +158,53 @@ class LeaseKitPushWorker(LeaseKitWorkerMixin, PHooks, DHooks, NixlPushConnectorW
                                                             f"{type(exc).__name__}: {exc}"[:200])
 
     def _xfer_blocks_for_req(self, req_id: str, meta: Any) -> None:
-        """vLLM's WRITE submission (writer thread), then the WRITE noted for the engine thread."""
-        super()._xfer_blocks_for_req(req_id, meta)
-        if self._lk_ready:
-            with self._sending_transfers_lock:
-                handles = len(self._sending_transfers.get(req_id, ()))
-            if handles:
-                self._lk_flow.issued(req_id, handles)
+        """vLLM's WRITE submission (writer thread), then the WRITE noted for the engine thread. A WRITE of a lease
+        P's reap already ended is not submitted (its source blocks may have been freed and reused): it is counted
+        (``leasekit_kv_lease_push_writes_total{outcome="refused"}``) and logged instead. With fault points enabled,
+        a chaos writer stall (``writer_stall_s``) sleeps here first."""
+        if not self._lk_ready:
+            return super()._xfer_blocks_for_req(req_id, meta)
+        if self._lk_faults.enabled:
+            stall = self._lk_faults.writer_stall()
+            if stall > 0:
+                start = time.perf_counter()
+                time.sleep(stall)
+                self._lk_faults.record_writer_stall(start, time.perf_counter())
+        flow = self._lk_flow
+        if not flow.begin_write(req_id):  # from here the reap holds the lease back until end_write
+            flow.refused(req_id)
+            return
+        try:
+            super()._xfer_blocks_for_req(req_id, meta)
+        finally:
+            flow.end_write()
+        with self._sending_transfers_lock:
+            handles = len(self._sending_transfers.get(req_id, ()))
+        if handles:
+            flow.issued(req_id, handles)
+
+    def _lk_reap_now(self, now: float) -> float:
+        """P in push mode judges D's silence only up to what the writer thread has polled, waiting at most ``E`` for
+        it (:meth:`leasekit.vllm.pushflow.PushFlow.reap_clock`)."""
+        return self._lk_flow.reap_clock(now, float(self._lk_timing.extension_s))
+
+    def _reap_expired_send_leases(self, done_sending: set[str]) -> None:
+        """LeaseKit's reap (:class:`leasekit.vllm.prefill.hooks.PHooks`) under the flow's ``write_lock``, which the
+        writer holds only to check a lease and to mark (unmark) the one it is submitting, never across a submission:
+        the engine thread waits microseconds at most, and every other due lease is reaped on time."""
+        if not self._lk_ready:
+            return super()._reap_expired_send_leases(done_sending)
+        with self._lk_flow.write_lock:
+            super()._reap_expired_send_leases(done_sending)
+
+    def _lk_reap_hold(self) -> tuple[str, ...]:
+        """The lease whose WRITE the writer is submitting right now is reaped at the next step, not this one."""
+        return self._lk_flow.reap_hold()
+
+    def _lk_reaped(self, expired: list[str]) -> None:
+        """The writer must not WRITE from the blocks of leases the reap just ended."""
+        if expired:
+            self._lk_flow.reaped(expired)
 
     def _pop_done_transfers(self, transfers: dict[str, list[int]]) -> tuple[set[str], set[str]]:
         """Stock polling; on ``_sending_transfers`` (P's WRITEs, called with vLLM's lock held) the WRITEs that
@@ -191,6 +235,12 @@ class LeaseKitPushWorker(LeaseKitWorkerMixin, PHooks, DHooks, NixlPushConnectorW
             self._lk.late_write(req_id, now=now)
             self._lk_late_warning.warn("LeaseKit: the WRITE of request %s finished after its lease ended: P had freed "
                                        "its KV blocks, D may have received reused blocks", req_id, event="late_write")
+        for req_id in flow.take_refused():
+            self._lk_stats.push_write("refused")
+            self._lk_late_warning.warn("LeaseKit: P did not WRITE request %s: its lease had expired before P's writer "
+                                       "thread reached it (its KV blocks may have been reused); D gets no KV for it and "
+                                       "waits until vLLM's registration timeout or the client gives up",
+                                       req_id, event="write_refused")
         self._lk_failed, self._lk_late = [], []
 
     def _get_new_notifs(self) -> set[str]:

@@ -9,6 +9,14 @@ and only the accepted ones reach vLLM's writer; every other notification is kept
 engine thread (:meth:`PushFlow.take_notifications`), where P's notification intake binds heartbeats to their D
 agent as in pull mode. What the writer thread learns (drops, WRITEs issued) is queued and recorded on the engine
 thread (:meth:`PushFlow.record`): spans, metrics and logs are only ever touched there.
+
+Because the writer thread alone drains NIXL in push mode, P's engine thread knows D's heartbeats only up to the
+instant the writer's last forwarded poll began (:attr:`PushFlow.heard_until`); a writer that stalls (a slow WRITE
+submission, a blocked NIXL call) silences every D for the engine thread, and vLLM's reap would then expire leases
+whose D kept heartbeating. :meth:`PushFlow.reap_clock` is the clock P's reap uses instead: it never concludes a
+silence P has not looked at, for at most ``E`` seconds. And :meth:`PushFlow.begin_write` keeps the writer from
+submitting a WRITE whose lease was already reaped (its source blocks may have been freed and reused), while
+the reap holds back the one lease being submitted (:meth:`PushFlow.reap_hold`).
 """
 
 from __future__ import annotations
@@ -22,6 +30,9 @@ from typing import Any
 
 from leasekit.lease.pushreg import PUSH_REG_PREFIX, PushRegGuard
 from leasekit.lease.peerref import peer_ref
+
+REAPED_KEPT = 4096
+"""How many reaped lease ids :class:`PushFlow` remembers to refuse their WRITEs."""
 
 _RANDOM_SUFFIX = re.compile(r"-[0-9a-f]{8}$", re.IGNORECASE)
 
@@ -56,8 +67,19 @@ class PushFlow:
         self._forwarded: deque[tuple[str, bytes]] = deque()
         self._dropped: deque[tuple[str, str, str]] = deque()
         self._issued: deque[tuple[str, float, str]] = deque()
+        self._refused: deque[str] = deque()
         self._agents: dict[str, str] = {}  # lease -> agent of its accepted registration (writer thread writes)
         self._lock = threading.Lock()
+        self._polled_at: float | None = None  # start of the writer's last poll (perf_counter s), under _lock
+        self.heard_until: float | None = None
+        """Engine thread: every notification NIXL delivered before this instant (perf_counter s) has been taken by
+        :meth:`take_notifications`; None before the writer's first poll."""
+        self.write_lock = threading.Lock()
+        """Held briefly by the reap (engine thread) and by :meth:`begin_write` / :meth:`end_write` (writer thread):
+        a lease is never reaped between the writer's check and the end of its WRITE submission."""
+        self.submitting: str | None = None
+        """The lease whose WRITE the writer is submitting now (the reap holds it back: :meth:`reap_hold`)."""
+        self._reaped: dict[str, None] = {}  # leases the reap ended, oldest first (bounded: REAPED_KEPT)
 
     # -- writer thread ---------------------------------------------------------------------------------------
     def live(self, request_id: str) -> str | None:
@@ -68,12 +90,16 @@ class PushFlow:
         lease = self._bases.get(base_request_id(request_id))
         return lease if lease is not None and lease in self._reqs_to_send else None
 
-    def writer_batch(self, batch: dict[str, list[bytes]]) -> dict[str, list[bytes]]:
+    def writer_batch(self, batch: dict[str, list[bytes]], polled_at: float | None = None) -> dict[str, list[bytes]]:
         """What vLLM's writer thread sees of one NIXL ``get_new_notifs`` batch (agent name -> messages): the
         registrations the guard accepts now (and held ones it accepts now), nothing else. The other
-        notifications are kept, with their sender, for :meth:`take_notifications`. Never raises."""
+        notifications are kept, with their sender, for :meth:`take_notifications`. ``polled_at``: when the NIXL
+        poll that returned ``batch`` began (perf_counter s; None: not known, :attr:`heard_until` stays). Never
+        raises."""
         regs: list[tuple[str, bytes]] = []
         with self._lock:
+            if polled_at is not None:
+                self._polled_at = polled_at
             for agent, messages in batch.items():
                 for msg in messages:
                     if isinstance(msg, (bytes, bytearray)) and bytes(msg[:len(PUSH_REG_PREFIX)]) == PUSH_REG_PREFIX:
@@ -92,14 +118,49 @@ class PushFlow:
         """Queue one registration the writer thread dropped (counted and logged on the engine thread)."""
         self._dropped.append((reason, agent, detail))
 
+    def begin_write(self, req_id: str) -> bool:
+        """Writer thread, before vLLM submits the WRITE of lease ``req_id``: False (submit nothing) once P's reap
+        ended it (its source blocks may be freed and reused); else True, and the reap holds the lease back until
+        :meth:`end_write`. The lock is held only for this check, never across the submission."""
+        with self.write_lock:
+            if req_id in self._reaped:
+                return False
+            self.submitting = req_id
+            return True
+
+    def end_write(self) -> None:
+        """Writer thread: the submission :meth:`begin_write` allowed is over (submitted or raised)."""
+        with self.write_lock:
+            self.submitting = None
+
+    def reap_hold(self) -> tuple[str, ...]:
+        """Engine thread, with :attr:`write_lock` held by the reap: the lease being submitted, if any (a due lease
+        is reaped at the next step, and then its WRITE is in flight: a late write if it finishes after)."""
+        return () if self.submitting is None else (self.submitting,)
+
+    def refused(self, req_id: str) -> None:
+        """The writer did not submit the WRITE of ``req_id``: its lease had been reaped (writer thread)."""
+        self._refused.append(req_id)
+
+    def take_refused(self) -> list[str]:
+        """The leases whose WRITE the writer refused since the last call (engine thread), oldest first."""
+        out: list[str] = []
+        while self._refused:
+            out.append(self._refused.popleft())
+        return out
+
     def issued(self, req_id: str, handles: int) -> None:
         """vLLM's writer issued ``handles`` WRITE transfers for lease ``req_id`` (writer thread)."""
         self._issued.append((req_id, self._clock(), self._agents.pop(req_id, "")))
 
     # -- engine thread ---------------------------------------------------------------------------------------
     def granted(self, req_id: str) -> None:
-        """P granted a lease for ``req_id``: registrations naming its base id match it."""
+        """P granted a lease for ``req_id``: registrations naming its base id match it (and a WRITE for it may be
+        submitted again, even if an earlier lease with that id was reaped)."""
         self._bases[base_request_id(req_id)] = req_id
+        if req_id in self._reaped:
+            with self.write_lock:
+                self._reaped.pop(req_id, None)
         if len(self._bases) > 4096 + 4 * len(self._reqs_to_send):  # leases that ended unseen (aborts): prune
             self._bases = {b: r for b, r in self._bases.items() if r in self._reqs_to_send}
 
@@ -111,10 +172,31 @@ class PushFlow:
         self._agents.pop(req_id, None)
         self.guard.forget(req_id)
 
+    def reaped(self, req_ids: list[str]) -> None:
+        """P's reap expired ``req_ids`` (engine thread, :attr:`write_lock` held): the writer must not WRITE from
+        their blocks. The newest :data:`REAPED_KEPT` are remembered (a WRITE comes within seconds of its grant)."""
+        reaped = self._reaped
+        for req_id in req_ids:
+            reaped[req_id] = None
+        while len(reaped) > REAPED_KEPT:
+            del reaped[next(iter(reaped))]
+
+    def reap_clock(self, now: float, patience_s: float) -> float:
+        """The instant (perf_counter s) up to which P's reap may judge D's silence: ``now``, but no later than
+        :attr:`heard_until` (what the writer thread has not polled yet, P has not heard), and no earlier than
+        ``now - patience_s`` (a writer stalled longer delays reclaim by at most ``patience_s``; P passes
+        ``E``). A lease is due when its deadline is at or before this instant."""
+        heard = self.heard_until
+        if heard is None or heard >= now:
+            return now
+        return max(heard, now - patience_s)
+
     def take_notifications(self) -> dict[str, list[bytes]]:
-        """The non-registration notifications the writer thread saw since the last call, by sender, in order."""
+        """The non-registration notifications the writer thread saw since the last call, by sender, in order;
+        :attr:`heard_until` becomes the start of the writer's poll that delivered the last of them."""
         batch: dict[str, list[bytes]] = {}
         with self._lock:
+            self.heard_until = self._polled_at
             while self._forwarded:
                 agent, msg = self._forwarded.popleft()
                 batch.setdefault(agent, []).append(msg)

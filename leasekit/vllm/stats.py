@@ -51,7 +51,7 @@ SPAN_DROPS = "lk_span_drops"  # [rank, reason, count]  spans not exported since 
 BINDINGS = "lk_bindings"  # [rank, proof, count]  one entry per kind per step
 UNKNOWN_IDS = "lk_unknown_ids"  # [rank, count]  heartbeat ids P held no lease for
 LISTENER = "lk_listener"  # [up (1|0), served_total, {reason: total}]  scheduler side, no rank; latest wins
-PUSH_WRITES = "lk_push_writes"  # [rank, outcome, count]  P's WRITEs in push mode (issued, done, failed, late)
+PUSH_WRITES = "lk_push_writes"  # [rank, outcome, count]  P's WRITEs in push mode (issued, done, failed, late, refused)
 LATE_WRITES = "lk_late_writes"  # [rank, count]  D: WRITE notifications for requests D no longer waited on
 WITHHELD = "lk_withheld"  # [rank, count]  D: push registrations withheld (D fell silent on the lease)
 LEASE_KEYS = (GRANTS, EXTENSIONS, ENDS, LATE, PEER_RETURNS, HEARTBEATS, STATE, CONFIG, DROPS, MAX_HOLD, READS,
@@ -147,7 +147,7 @@ class LeaseStatsObserver:
             entries.append([self.tp_rank, int(count)])
 
     def push_write(self, outcome: str) -> None:
-        """Record one push-mode WRITE of P by ``outcome`` (``issued``, ``done``, ``failed``, ``late``:
+        """Record one push-mode WRITE of P by ``outcome`` (``issued``, ``done``, ``failed``, ``late``, ``refused``:
         ``metrics.PUSH_WRITE_OUTCOMES``)."""
         self._add(PUSH_WRITES, str(outcome), 1)
 

@@ -195,9 +195,11 @@ class PushNotificationTap(NotificationTap):
         self.flow: Any = None
 
     def get_new_notifs(self, *args: Any, **kwargs: Any) -> dict[str, list[bytes]]:
-        """NIXL ``get_new_notifs`` through the flow (:meth:`leasekit.vllm.pushflow.PushFlow.writer_batch`)."""
+        """NIXL ``get_new_notifs`` through the flow (:meth:`leasekit.vllm.pushflow.PushFlow.writer_batch`), with the
+        instant (perf_counter s) the poll began: everything delivered before it is in this batch."""
+        polled_at = time.perf_counter()
         batch = super().get_new_notifs(*args, **kwargs)
-        return batch if self.flow is None else self.flow.writer_batch(batch)
+        return batch if self.flow is None else self.flow.writer_batch(batch, polled_at)
 
 
 class HeartbeatBatch:

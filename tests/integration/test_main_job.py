@@ -80,7 +80,8 @@ def test_kill_decode_passes_with_spans_inside_the_bound(vllm_available, tmp_path
         assert column in done.stdout
     report = json.loads((run_dir / "report.json").read_text())
     assert report["status"] == "completed" and report["verdict"] == "PASS"
-    assert report["matrix"] == {"kill-decode": {"leasekit": {"verdict": "PASS", "expected": "PASS", "mode": "pull"}}}
+    assert report["matrix"] == {"kill-decode": {"leasekit": {"verdict": "PASS", "expected": "PASS", "mode": "pull",
+                                                                  "vllm_release": "0.32.0"}}}  # measured: GET /version
     (result,) = report["results"]
     (kill,) = result["faults"]
     assert kill["signal"] == "SIGKILL" and kill["survivors"] == []

@@ -43,3 +43,31 @@ def test_renew_is_capped_by_max_hold_and_discard_forgets():
     index.discard("A")
     del stamped["A"]
     assert len(index) == 0 and index.due(1e9) == {}
+
+
+def test_a_held_lease_is_not_reaped_this_step_and_is_the_next():
+    from leasekit.lease.config import LeaseTiming
+    from leasekit.lease.table import PLeaseTable
+    from leasekit.vllm.prefill.expiry import ExpiryIndex
+
+    class State:
+        def __init__(self, stamped):
+            self.reqs_to_send = stamped
+
+        def rebind_reqs_to_send(self, mapping):
+            self.current = mapping
+
+    stamped = {"a": 10.0, "b": 10.0}
+    state = State(stamped)
+    index = ExpiryIndex(stamped, PLeaseTable(LeaseTiming.from_lease_duration(6)))
+    index.index(stamped, 4.0)
+
+    def vllm_reap(done):  # vLLM's reap of the narrowed map
+        for req_id in list(state.current):
+            del state.current[req_id]
+            done.add(req_id)
+
+    done: set[str] = set()
+    assert index.reap(state, done, vllm_reap, 11.0, hold=("b",)) == ["a"]
+    assert "b" in stamped and "a" not in stamped and len(index) == 1
+    assert index.reap(state, done, vllm_reap, 11.1) == ["b"] and stamped == {}

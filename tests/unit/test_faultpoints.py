@@ -68,3 +68,24 @@ def test_heartbeats_disturbed_while_any_heartbeat_fault_is_set(tmp_path):
     faults.poll()
     faults.heartbeat_action()  # the one drop is spent
     assert not faults.heartbeats_disturbed()
+
+
+def test_a_push_writer_stall_is_given_once_per_control_and_reported(tmp_path):
+    from leasekit.vllm.faultpoints import FaultPoints, read_state, write_control
+
+    path = str(tmp_path / "prefill.json")
+    points = FaultPoints(path)
+    points.poll()
+    assert points.writer_stall() == 0.0  # no control file yet
+    write_control(path, {"writer_stall_s": 2.5, "seq": 1})
+    points.poll()
+    assert points.forward_stall() == 0.0  # a writer stall is not a forward-pass stall
+    assert points.writer_stall() == 2.5
+    assert points.writer_stall() == 0.0  # once per seq
+    points.record_writer_stall(10.0, 12.5)
+    state = read_state(path)
+    assert state["seq"] == 1 and state["writer_stalls"] == [{"start_perf_s": 10.0, "end_perf_s": 12.5, "seconds": 2.5}]
+    write_control(path, {"writer_stall_s": 1.0, "seq": 2})
+    os.utime(path, ns=(1, 1))  # a new mtime even within the filesystem's timestamp granularity
+    points.poll()
+    assert points.writer_stall() == 1.0 and read_state(path)["writer_stalls"] == []  # a fresh state per seq

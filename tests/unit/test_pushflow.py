@@ -113,3 +113,61 @@ def test_a_registration_for_an_address_p_does_not_allow_never_reaches_the_writer
     flow.record(Recorder(), Stats())
     assert [reason for reason, *_ in drops] == ["push_reg_not_allowed"]
     assert flow.writer_batch({"d": [reg("r")]}) == {"d": [reg("r")]}  # the lease is still free for its real D
+
+
+def test_the_engine_thread_hears_d_only_up_to_the_start_of_the_writers_last_forwarded_poll():
+    flow, leases, _ = make()
+    assert flow.heard_until is None and flow.reap_clock(50.0, 4.0) == 50.0  # before the writer's first poll
+    flow.writer_batch({"d": [b"HB:a"]}, polled_at=10.0)
+    assert flow.heard_until is None  # not taken by the engine thread yet: P has heard nothing
+    assert flow.take_notifications() == {"d": [b"HB:a"]}
+    assert flow.heard_until == 10.0
+    flow.writer_batch({}, polled_at=11.0)  # an empty poll still vouches for the silence before it
+    flow.take_notifications()
+    assert flow.heard_until == 11.0
+    flow.writer_batch({}, polled_at=None)  # a poll of unknown start vouches for nothing new
+    flow.take_notifications()
+    assert flow.heard_until == 11.0
+
+
+def test_the_reap_clock_waits_for_a_stalled_writer_at_most_patience_seconds():
+    flow, _, _ = make()
+    flow.writer_batch({}, polled_at=100.0)
+    flow.take_notifications()
+    assert flow.reap_clock(100.0, 4.0) == 100.0
+    assert flow.reap_clock(99.0, 4.0) == 99.0  # heard up to a later instant than now: now
+    assert flow.reap_clock(102.5, 4.0) == 100.0  # the writer has not polled for 2.5 s: judge up to 100 only
+    assert flow.reap_clock(104.0, 4.0) == 100.0
+    assert flow.reap_clock(107.0, 4.0) == 103.0  # stalled 7 s: reclaim runs at most E = 4 s late
+    # a lease due at 101 (D's last heartbeat ~97 with E = 4) is not reaped while the writer is stalled ...
+    assert not 101.0 <= flow.reap_clock(104.9, 4.0)
+    # ... and is reaped, at the latest, E after its deadline
+    assert 101.0 <= flow.reap_clock(105.0, 4.0)
+
+
+def test_a_reaped_lease_is_never_written_and_the_memory_of_reaped_leases_is_bounded():
+    from leasekit.vllm.pushflow import REAPED_KEPT
+
+    flow, _, _ = make()
+    assert flow.begin_write("a") and flow.reap_hold() == ("a",)  # the reap holds "a" back while it is submitted
+    flow.end_write()
+    assert flow.reap_hold() == () and not flow.write_lock.locked()
+    flow.reaped(["a"])
+    assert not flow.begin_write("a") and flow.reap_hold() == ()
+    flow.refused("a")
+    assert flow.take_refused() == ["a"] and flow.take_refused() == []
+    flow.reaped([f"x{i}" for i in range(REAPED_KEPT)])
+    assert flow.begin_write("a")  # the oldest was forgotten: at most REAPED_KEPT ids are kept
+    flow.end_write()
+    assert not flow.begin_write(f"x{REAPED_KEPT - 1}") and not flow.begin_write("x0")
+
+
+def test_a_new_grant_under_a_reaped_id_may_be_written_again():
+    flow, leases, _ = make()
+    leases["r"] = 6.0
+    flow.granted("r")
+    flow.reaped(["r"])
+    flow.ended("r")
+    assert not flow.begin_write("r")
+    flow.granted("r")  # a retried request with the same id: a new lease
+    assert flow.begin_write("r")

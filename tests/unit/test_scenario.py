@@ -165,3 +165,46 @@ def test_every_workload_takes_any_slot_count(tmp_path, kind):
     assert s.topology.decode_max_num_seqs == 256 and s.workload.kind == kind
     with pytest.raises(ScenarioError, match=r"topology\.decode_max_num_seqs.*allowed: 1 <= value <= 256"):
         load_scenario(write(tmp_path, GOOD + "[topology]\ndecode_max_num_seqs = 257\n"))
+
+
+WRITER_STALL = """
+name = "x"
+description = "d"
+incident = "K09"
+[topology]
+transfer_mode = "push"
+targets = ["leasekit"]
+[workload]
+hold_decode_slot_s = "2H + 1.5s"
+[[faults]]
+kind = "stall"
+target = "prefill"
+method = "push_writer"
+duration_s = "E + 2s"
+[expect]
+checks = ["no_expiry"]
+"""
+
+
+def test_a_push_writer_stall_needs_p_push_mode_and_no_stock_expectation(tmp_path):
+    ok = load_scenario(write(tmp_path, WRITER_STALL))
+    assert ok.faults[0].duration_s == 6.0 and ok.fault_after_s(ok.faults[0]) == 2.5  # L = 6: E + 2 s; armed at 2H + 0.5 s
+    with pytest.raises(ScenarioError, match="push_writer.*target = 'prefill'"):
+        load_scenario(write(tmp_path, WRITER_STALL.replace('target = "prefill"', 'target = "decode"')))
+    with pytest.raises(ScenarioError, match="transfer_mode = 'push'"):
+        load_scenario(write(tmp_path, WRITER_STALL.replace('transfer_mode = "push"', 'transfer_mode = "pull"')))
+    with pytest.raises(ScenarioError, match="cannot be injected into the stock connector"):
+        load_scenario(write(tmp_path, WRITER_STALL.replace('targets = ["leasekit"]', 'targets = ["leasekit", "stock"]')))
+    with pytest.raises(ScenarioError, match="hold_decode_slot_s set after"):  # else no WRITE comes while armed
+        load_scenario(write(tmp_path, WRITER_STALL.replace('hold_decode_slot_s = "2H + 1.5s"', '')))
+    with pytest.raises(ScenarioError, match="must be the scenario's only fault"):
+        load_scenario(write(tmp_path, WRITER_STALL + '[[faults]]\nkind = "heartbeats"\ndrop_next = 1\n'))
+
+
+def test_the_stock_target_of_a_push_writer_stall_is_unknown_with_the_reason():
+    from leasekit.chaos.actions import not_injectable
+
+    fault = find_scenario("stall-writer-push").faults[0]
+    assert "push writer stall needs LeaseKit's connector on prefill" in not_injectable(
+        fault, {"prefill": "stock", "decode": "stock"})
+    assert not_injectable(fault, {"prefill": "leasekit", "decode": "leasekit"}) is None

@@ -4,7 +4,8 @@ import pytest
 
 from leasekit.chaos.checks import CheckResult
 from leasekit.chaos.result import ScenarioResult
-from leasekit.chaos.suite import Suite, _junit_verdict
+from leasekit.chaos.report import junit_verdict as _junit_verdict
+from leasekit.chaos.suite import Suite
 
 
 def result(verdict, expected, failed=(), passed=("bounded-reclaim",), expected_failing=(), summary="s"):

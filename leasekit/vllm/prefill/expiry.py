@@ -14,7 +14,7 @@ does not hook is still reaped on time.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Callable, Container, Iterable
 
 from leasekit.lease.table import Lease, PLeaseTable
 
@@ -109,9 +109,10 @@ class ExpiryIndex:
         """Live leases whose deadline is less than ``seconds`` away (the expiring-soon gauge); O(k log n)."""
         return self._table.expiring_within(seconds, now)
 
-    def reap(self, state, done_sending: set[str], vllm_reap: Callable[[set[str]], None], now: float) -> list[str]:
-        """vLLM's own reap, on the leases due at ``now`` (s) only; returns the ids it added to
-        ``done_sending`` (each expired lease once).
+    def reap(self, state, done_sending: set[str], vllm_reap: Callable[[set[str]], None], now: float,
+             hold: Container[str] = ()) -> list[str]:
+        """vLLM's own reap, on the leases due at ``now`` (s) only, less those in ``hold`` (indexed again, due at
+        the next reap); returns the ids it added to ``done_sending`` (each expired lease once).
 
         ``state``: :class:`leasekit.vllm.prefill.vllmstate.VllmSendState`; ``vllm_reap``: vLLM's
         ``_reap_expired_send_leases`` bound to the worker (vllm 0.32.0 ``nixl/base_worker.py``), which
@@ -122,6 +123,10 @@ class ExpiryIndex:
         if self.stamped is not stamped:  # vLLM rebound its lease map: index the new one (O(n), once)
             self.rebind(stamped, now)
         due = self.due(now)
+        if hold and due:
+            kept = {req_id: due.pop(req_id) for req_id in [r for r in due if r in hold]}
+            if kept:
+                self.restore(kept, now)
         if not due:
             return []
         before = len(done_sending)

@@ -97,6 +97,18 @@ class PHooks:
         batch = self.nixl_wrapper.get_new_notifs()
         return self._lk_p.intake.drain(batch, time.perf_counter())
 
+    def _lk_reap_now(self, now: float) -> float:
+        """The instant (perf_counter s) up to which this step's reap judges D's silence: ``now`` in pull mode, where
+        the engine thread drains NIXL itself right before the reap (push mode overrides it)."""
+        return now
+
+    def _lk_reap_hold(self) -> tuple[str, ...]:
+        """Leases this step's reap must not end even if due (reaped at the next step): none in pull mode."""
+        return ()
+
+    def _lk_reaped(self, expired: list[str]) -> None:
+        """Hook of a transfer mode: the reap just expired ``expired`` (request ids). Nothing in pull mode."""
+
     def _reap_expired_send_leases(self, done_sending: set[str]) -> None:
         """vLLM's reap, on the leases the expiry heap says are due, then an expire event for each.
 
@@ -111,7 +123,8 @@ class PHooks:
             return super()._reap_expired_send_leases(done_sending)  # type: ignore[misc]
         p = self._lk_p
         expired = p.leases.reap(p.state, done_sending, super()._reap_expired_send_leases,  # type: ignore[misc]
-                                time.perf_counter())
+                                self._lk_reap_now(time.perf_counter()), self._lk_reap_hold())
+        self._lk_reaped(expired)
         for req_id in expired:
             p.keeping.forget(req_id)
             try:  # each on its own: one failure must not turn the others' expiries into aborts
