@@ -199,12 +199,15 @@ def check_steady_state(
 
     PASS when expiries <= ``expiries_allowed``, every other lease ended ``released`` and (if
     ``all_served``) every decode answered HTTP 200 with tokens. Evidence includes the longest life
-    of a released lease, to show whether leases outlived ``L`` on heartbeats.
+    of a released lease, to show whether leases outlived ``L`` on heartbeats, and for each expiry
+    whether it was premature (before ``max(grant + L, last heartbeat + E)``, the rule of
+    ``leasekit.lease.bounds.reclaim_deadline``) or on time (P heard no heartbeat for ``E``:
+    ``details["premature_expiries"]`` counts the former).
     """
     ids = list(request_ids)
     grouped = _by_request(leases)
     rows: list[LeaseVerdict] = []
-    expired = 0
+    expired = early = 0
     for request_id in ids:
         found = grouped.get(request_id)
         if not found:
@@ -214,14 +217,24 @@ def check_steady_state(
             life = lease.end_s - lease.grant_s
             if lease.outcome == sc.OUTCOME_EXPIRED:
                 expired += 1
-                rows.append(LeaseVerdict(request_id, FAIL, f"expired after {life:.3f} s with {lease.heartbeat_count} heartbeat(s)", None, life, lease))
+                lower = reclaim_deadline(timing, lease.grant_s, lease.last_heartbeat_s)
+                if lease.end_s < lower - EARLY_TOLERANCE_S - lease.stamp_latency_s:
+                    early += 1
+                    how = f"{lower - lease.end_s:.3f} s before max(grant + L, last heartbeat + E) (premature reclaim)"
+                elif lease.last_heartbeat_s is None:
+                    how = f"on time: P heard no heartbeat in L = {timing.lease_duration_s:g} s"
+                else:
+                    how = (f"on time: P heard no heartbeat for {lease.end_s - lease.last_heartbeat_s:.3f} s "
+                           f"(E = {timing.extension_s:g} s)")
+                rows.append(LeaseVerdict(request_id, FAIL, f"expired after {life:.3f} s with {lease.heartbeat_count} heartbeat(s), {how}",
+                                         None, life, lease, None, lower - lease.grant_s))
             elif lease.outcome != sc.OUTCOME_RELEASED:
                 rows.append(LeaseVerdict(request_id, FAIL, f"ended {lease.outcome}", None, life, lease))
             else:
                 rows.append(LeaseVerdict(request_id, PASS, f"released after {life:.3f} s, {lease.heartbeat_count} heartbeat(s)", None, life, lease))
     if 0 < expired <= expiries_allowed:
         for r in rows:
-            if r.lease is not None and r.lease.outcome == sc.OUTCOME_EXPIRED:
+            if r.lease is not None and r.lease.outcome == sc.OUTCOME_EXPIRED and "premature" not in r.reason:
                 r.verdict, r.reason = PASS, f"{r.reason} (within steady_state.expiries = {expiries_allowed})"
     served = sum(1 for r in decodes.values() if r.ok)
     not_served = [f"#{i}: HTTP {r.status} {r.error or ''}".strip() for i, r in sorted(decodes.items()) if not r.ok]
@@ -229,7 +242,9 @@ def check_steady_state(
     longest = max(lives) if lives else None
     problems = []
     if expired > expiries_allowed:
-        problems.append(f"{expired} expiries (allowed {expiries_allowed})")
+        problems.append(f"{expired} expiries (allowed {expiries_allowed}{f', {early} premature' if early else ''})")
+    elif early:
+        problems.append(f"{early} premature expiries")
     if any(r.verdict == FAIL and (r.lease is None or r.lease.outcome != sc.OUTCOME_EXPIRED) for r in rows):
         problems.append("lease(s) not released")
     if all_served and served < len(ids):
@@ -240,6 +255,7 @@ def check_steady_state(
         "steady-state", verdict, summary, rows,
         {
             "expiries": expired,
+            "premature_expiries": early,
             "expiries_allowed": expiries_allowed,
             "served": served,
             "requests": len(ids),
@@ -349,3 +365,13 @@ def check_fail_closed(leases: Iterable[LeaseTimeline], served: Mapping[str, floa
         verdict, summary = UNKNOWN, "no read of an expired lease happened: fail-closed not exercised"
     return CheckResult("fail-closed", verdict, summary, rows,
                        {"late_reads_seen_by_p": len(late_reads), "reads_discarded_by_d": len(discarded)})
+
+
+def on_time_only(check: CheckResult) -> bool:
+    """Whether the steady-state ``check`` failed only through leases that expired on time (P heard
+    no heartbeat for E, or none in L; none premature): no fault was injected, so the pair could not
+    keep its heartbeats flowing at that moment (an overloaded host). A defect that stops heartbeats
+    fails every attempt; a premature expiry or a lease that was never ended is never this."""
+    if check.verdict != FAIL or check.details.get("premature_expiries") or not check.details.get("expiries"):
+        return False
+    return all(r.lease is not None and r.lease.outcome == sc.OUTCOME_EXPIRED for r in check.rows if r.verdict == FAIL)

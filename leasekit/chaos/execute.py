@@ -3,6 +3,7 @@ checks, verdict (PASS / FAIL / UNKNOWN with the bound, the measured value and th
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -11,16 +12,17 @@ import httpx
 from leasekit.chaos import FAIL, PASS, UNKNOWN
 from leasekit.chaos.actions import Effect, FaultRun, not_injectable
 from leasekit.chaos.checks import (CheckResult, check_all_served, check_bounded_reclaim, check_fail_closed, check_no_expiry,
-                                   check_steady_state)
+                                   check_steady_state, on_time_only)
 from leasekit.chaos.endchecks import check_conservation, check_decode_conservation, liveness_after
 from leasekit.chaos.evidence import ClockMismatch, Evidence, EvidenceReader
-from leasekit.chaos.faults.onhost import host_of, monotonic_offset_on_host
+from leasekit.chaos.faults.onhost import host_of
+from leasekit.chaos.launcheffects import launch_effects, wall_clock_effects
 from leasekit.chaos.plot import plot_timeline
 from leasekit.chaos.result import ScenarioResult
 from leasekit.chaos.scenario import Scenario
 from leasekit.chaos.schema import PartitionFault
-from leasekit.chaos.workload import PrefillTraffic, QueuedDecodeLoad
-from leasekit.cluster.clocks import monotonic_namespace_offset_s
+from leasekit.chaos.traffic import PrefillTraffic
+from leasekit.chaos.workload import QueuedDecodeLoad
 from leasekit.cluster.pair import PDPair
 
 
@@ -74,6 +76,22 @@ class ScenarioExecution:
             self.result.notes.append(f"steady state reused from {self.steady_cache[key][0]} on this pair")
             return self.steady_cache[key][1]
         self.say(f"{self.s.name}/{self.target}: steady state (no fault)")
+        check = self._steady_run()
+        if on_time_only(check):
+            # leases that expired on time with no fault: D's heartbeats did not reach P for E (an
+            # overloaded host, another job's burst). Once more, so a passing burst is not a verdict;
+            # a pair that cannot keep its leases fails both times.
+            first = check.summary
+            load = os.getloadavg()
+            self.say(f"{self.s.name}/{self.target}: steady state failed ({first}; load average {load[0]:.1f}); once more")
+            check = self._steady_run()
+            self.result.notes.append(f"steady state run twice: the first had {first} with no fault, every one on time "
+                                     f"(load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}); the second: {check.summary}")
+        self.steady_cache[key] = (self.s.name, check)
+        return check
+
+    def _steady_run(self) -> CheckResult:
+        ss = self.s.steady_state
         load = self._load()
         load.start()
         if load.kind != "overload":
@@ -82,40 +100,9 @@ class ScenarioExecution:
         load.wait_decodes(self._decode_wait_s())
         load.release_slot()  # overload: D's other slots are held until its queue is served
         evidence = self.reader.wait_ended(load.request_ids, max(30.0, self._lease_wait_s()))
-        check = check_steady_state(evidence.leases, [load.request_id(i) for i, x in load.intent.items() if x == "decode"],
-                                   {i: d for i, d in load.decodes.items() if load.intent[i] == "decode"},
-                                   self.timing, expiries_allowed=ss.expiries, all_served=ss.all_served)
-        self.steady_cache[key] = (self.s.name, check)
-        return check
-
-    def launch_effects(self) -> list[Effect]:
-        """Evidence that launch-time conditions (clock offsets) are really in force."""
-        effects = []
-        launch = self.s.launch
-        for role, offset in (("prefill", launch.prefill_monotonic_offset_s), ("decode", launch.decode_monotonic_offset_s)):
-            if not offset:
-                continue
-            server = self.pair.prefill if role == "prefill" else self.pair.decode
-            pid = server.api_server_pid()
-            host = host_of(server)  # on another host: read there
-            measured = None if pid is None else monotonic_offset_on_host(host, pid) if host else monotonic_namespace_offset_s(pid)
-            effects.append(Effect(f"{role} monotonic clock +{offset:g} s", measured is not None and abs(measured - offset) < 1e-6,
-                                  f"/proc/{pid}/timens_offsets: monotonic {measured}"))
-        return effects
-
-    def wall_clock_effects(self) -> list[Effect]:
-        """Evidence that a faked wall clock (libfaketime) is in force on D: the ``created`` epoch
-        seconds of D's answers against the host's clock when they arrived."""
-        launch = self.s.launch
-        if not launch.decode_wall_offset_s and launch.decode_wall_rate == 1.0:
-            return []
-        skews = [d.created - d.done_wall_s for d in (self.load.decodes.values() if self.load else []) if d.ok and d.created]
-        if not skews:
-            return [Effect("D wall clock faked", False, "no answer from D carried a 'created' time")]
-        skew = sum(skews) / len(skews)
-        took = abs(skew) >= 0.5 * abs(launch.decode_wall_offset_s) if launch.decode_wall_offset_s else abs(skew) > 1.0
-        return [Effect(f"D wall clock {launch.decode_wall_offset_s:+g} s x{launch.decode_wall_rate:g}", took,
-                       f"D's answers say 'created' {skew:+.1f} s from the host clock ({len(skews)} answers)")]
+        return check_steady_state(evidence.leases, [load.request_id(i) for i, x in load.intent.items() if x == "decode"],
+                                  {i: d for i, d in load.decodes.items() if load.intent[i] == "decode"},
+                                  self.timing, expiries_allowed=ss.expiries, all_served=ss.all_served)
 
     def silence_effects(self, evidence: Evidence) -> list[Effect]:
         """Evidence on P's side that D really went quiet: for each interval the fault run expects
@@ -324,7 +311,7 @@ class ScenarioExecution:
             return r
         r.notes.extend(f"server restarted after a start timeout: {why.splitlines()[0]}" for why in getattr(self.pair, "start_retries", []))
         try:
-            r.effects.extend(self.launch_effects())
+            r.effects.extend(launch_effects(self.s.launch, self.pair))
             r.steady_state = self.steady_state()
             if r.steady_state is not None and r.steady_state.verdict == FAIL:
                 return self._decide()  # the hypothesis does not hold: the fault would prove nothing
@@ -336,7 +323,7 @@ class ScenarioExecution:
                 evidence = self.reader.settle_reads(evidence, r.request_ids, served)  # D's read records land
             r.evidence_source = evidence.source
             r.effects.extend(self.fault_run.effects if self.fault_run else [])
-            r.effects.extend(self.wall_clock_effects())
+            r.effects.extend(wall_clock_effects(self.s.launch, self.load.decodes.values() if self.load else []))
             r.effects.extend(self.silence_effects(evidence))
             r.effects.extend(self.load.effects() if self.load else [])  # cancels done, slots held until released
             r.faults = self.fault_run.records if self.fault_run else []

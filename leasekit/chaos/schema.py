@@ -77,7 +77,7 @@ class WorkloadSection(Strict):
     slots stay held before D may serve the queue; None means ``1.5 * L`` in the steady state and
     "until the fault is over plus the bound" in the fault run. ``cancel_after_s``: for
     ``abort_storm``, how long after it was routed a cancelled request's client gives up (None:
-    ``0.5 * L``). ``prefill_rps``: extra prefill-only traffic on P during the fault run.
+    ``0.5 * L``; the cancelled requests are routed together, once every other one waits on D). ``prefill_rps``: extra prefill-only traffic on P during the fault run.
     ``queue_wait_s``: for ``overload``, how long the last routed request should wait for its answer
     (seconds, or lease-relative such as ``"2L"``); the run then sizes each request's decode from D's
     decode step time measured just before, at most ``decode_tokens`` tokens (None: always

@@ -182,7 +182,8 @@ class QueuedDecodeLoad:
     (``queued``/``abort_storm``) or behind each other on D's one free slot (``overload``).
 
     ``decode_slots``: D's ``--max-num-seqs`` (1..256). ``cancel_after_s``: seconds after routing a
-    cancelled request's client gives up. ``answer_within_s``: seconds after routing every other request's client
+    cancelled request's client gives up (the cancelled requests are routed together, once every
+    other routed request waits on D). ``answer_within_s``: seconds after routing every other request's client
     gives up (None: never). ``min_queue_wait_s``: for ``overload``, how long (seconds,
     the scenario's ``L``) some request must have waited for its answer for the overload to count.
     ``queue_wait_s``: for ``overload``, size the decodes (at most ``decode_tokens``) so the last
@@ -233,8 +234,7 @@ class QueuedDecodeLoad:
         return False
 
     def _plan(self) -> None:
-        # cancels are routed last, so their clients give up (``cancel_after_s`` after routing) only
-        # once every request sits in D's queue
+        # cancels are prefilled last and routed together once the rest wait on D (see :meth:`start`)
         never = round(self.requests * self.never_decode_fraction)
         cancel = round(self.requests * self.cancel_queued_fraction)
         for index in range(self.requests):
@@ -284,21 +284,33 @@ class QueuedDecodeLoad:
             if index == 0 and self.decode_step_s:  # overload: the first decode outlasts every later prefill
                 self.decode_tokens = queue_forming_tokens(self.decode_tokens, self.requests, prefill.latency_s,
                                                           self.decode_step_s, most)
-            if self.intent[index] == "never":
-                continue
-            timeout = self.cancel_after_s if self.intent[index] == "cancel" else self.answer_within_s
-            thread = threading.Thread(target=self._decode, args=(index, prompt, prefill, timeout), name=f"decode-{index}", daemon=True)
-            thread.start()
-            self._threads.append(thread)
+            if self.intent[index] == "decode":
+                self._route(index, prompt, prefill, self.answer_within_s)
+        cancels = [i for i, x in self.intent.items() if x == "cancel"]
         decoding = sum(1 for i in self.intent.values() if i != "never")
-        waiting = decoding - 1 if self.kind == "overload" else decoding
+        if cancels:
+            # the cancelled clients give up ``cancel_after_s`` after routing: route them together, once
+            # everything else waits on D, so that none gives up before the last one is queued (on a slow
+            # host prefills take seconds each, and routing each right after its prefill let the first
+            # ones give up before the queue was complete)
+            self._wait_waiting(decoding - len(cancels), timeout_s)
+            for index in cancels:
+                self._route(index, self.prompts[index], self.prefills[index], self.cancel_after_s)
+        self._wait_waiting(decoding - 1 if self.kind == "overload" else decoding, timeout_s)
+        self.queued_at = time.monotonic()
+
+    def _route(self, index: int, prompt: list[int], prefill: PrefillResult, timeout_s: float | None) -> None:
+        thread = threading.Thread(target=self._decode, args=(index, prompt, prefill, timeout_s), name=f"decode-{index}", daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def _wait_waiting(self, waiting: int, timeout_s: float) -> None:
         if waiting > 0 and not self._wait_gauge("vllm:num_requests_waiting", waiting, timeout_s):
             raise WorkloadError(
                 f"D never reported {waiting} waiting requests within {timeout_s:.0f} s "
                 f"(waiting={self._gauge('vllm:num_requests_waiting')}, running={self._gauge('vllm:num_requests_running')} "
                 f"with {self.held_slots} held); does D run --max-num-seqs = topology.decode_max_num_seqs = {self.decode_slots}?"
             )
-        self.queued_at = time.monotonic()
 
     def _decode(self, index: int, prompt: list[int], prefill: PrefillResult, timeout_s: float | None) -> None:
         assert self.pair.router is not None
@@ -365,32 +377,3 @@ class QueuedDecodeLoad:
     def request_id(self, index: int) -> str | None:
         """P's request id of request ``index``."""
         return self.prefills[index].request_id if index < len(self.prefills) else None
-
-
-class PrefillTraffic:
-    """Prefill-only requests on P at ``rps`` per second in a background thread (P stays busy)."""
-
-    def __init__(self, pair: PDPair, rps: float):
-        self.pair, self.rps = pair, rps
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.sent = 0
-
-    def start(self) -> None:
-        """Start sending (no-op when ``rps`` is 0)."""
-        if self.rps <= 0:
-            return
-        self._thread = threading.Thread(target=self._run, name="prefill-traffic", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(1.0 / self.rps):
-            if self.pair.router is not None:
-                self.pair.router.prefill(self.pair.prompt(32))
-                self.sent += 1
-
-    def stop(self) -> None:
-        """Stop sending and wait for the thread."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)

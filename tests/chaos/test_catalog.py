@@ -16,7 +16,10 @@ pytestmark = [pytest.mark.pair, pytest.mark.chaos]
 def test_scenario_ends_with_its_expected_verdict(vllm_available, leasekit_suite, chaos_case):
     scenario, target = chaos_case
     result = run_case(leasekit_suite, scenario, target)
+    steady = result.steady_state
     evidence = "\n".join([result.summary, *(f"{c.name}: {c.verdict} - {c.summary}" for c in result.checks),
+                          *(f"steady state {r.request_id}: {r.verdict} - {r.reason}" for r in (steady.rows if steady else [])
+                            if r.verdict != PASS),
                           *(f"effect {e.fault}: {e.took_effect} - {e.evidence}" for e in result.effects), *result.notes[-2:]])
     assert not result.summary.startswith("harness error"), evidence
     assert result.verdict == result.expected, evidence

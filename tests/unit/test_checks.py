@@ -3,7 +3,7 @@
 import pytest
 
 from leasekit.chaos import FAIL, PASS, UNKNOWN
-from leasekit.chaos.checks import check_bounded_reclaim, check_lease_reclaim, check_steady_state
+from leasekit.chaos.checks import check_bounded_reclaim, check_lease_reclaim, check_steady_state, on_time_only
 from leasekit.chaos.endchecks import check_decode_conservation
 from leasekit.cluster.router import DecodeResult
 from leasekit.lease import LeaseTiming
@@ -75,6 +75,34 @@ def test_steady_state():
     not_served = check_steady_state(released, ["A", "B"], failed_decode, T6)
     assert not_served.verdict == FAIL and "not served" in not_served.summary
     assert check_steady_state(released, ["A", "B"], failed_decode, T6, all_served=False).verdict == PASS
+
+
+@pytest.mark.parametrize("b, premature, retry, why", [
+    (lease("B", hbs=(1.0, 2.0), end=6.0), 0, True, "on time: P heard no heartbeat for 4.000 s (E = 4 s)"),
+    (lease("B", hbs=(), end=6.2), 0, True, "on time: P heard no heartbeat in L = 6 s"),
+    (lease("B", hbs=(1.0, 2.5), end=6.2), 1, False, "0.300 s before max(grant + L, last heartbeat + E) (premature reclaim)"),
+    (lease("B", hbs=(), end=5.0), 1, False, "1.000 s before max(grant + L, last heartbeat + E) (premature reclaim)"),
+])
+def test_steady_state_expiries_are_told_premature_or_on_time(b, premature, retry, why):
+    served = {0: DecodeResult(200, 0.1, token_ids=[1]), 1: DecodeResult(0, 3.0, error="ReadTimeout")}
+    check = check_steady_state([lease("A", outcome="released", end=9.0), b], ["A", "B"], served, T6)
+    assert check.verdict == FAIL and check.details["premature_expiries"] == premature
+    assert why in check.rows[1].reason
+    assert on_time_only(check) is retry  # only an on-time expiry (no fault, D not heard) is worth a second run
+    allowed = check_steady_state([lease("A", outcome="released", end=9.0), b], ["A", "B"], served, T6,
+                                 expiries_allowed=1, all_served=False)
+    assert allowed.verdict == (FAIL if premature else PASS)  # an allowance never covers a premature expiry
+
+
+def test_a_steady_state_that_failed_otherwise_is_not_run_again():
+    served = {0: DecodeResult(200, 0.1, token_ids=[1]), 1: DecodeResult(200, 0.1, token_ids=[2])}
+    released = [lease("A", outcome="released", end=9.0), lease("B", outcome="released", end=9.1)]
+    assert not on_time_only(check_steady_state(released, ["A", "B"], served, T6))  # PASS
+    assert not on_time_only(check_steady_state(released[:1], ["A", "B"], served, T6))  # no lease end seen for B
+    aborted = check_steady_state([released[0], lease("B", outcome="aborted", end=3.0)], ["A", "B"], served, T6)
+    assert aborted.verdict == FAIL and not on_time_only(aborted)
+    unserved = check_steady_state(released, ["A", "B"], {0: served[0], 1: DecodeResult(500, 0.1, error="boom")}, T6)
+    assert unserved.verdict == FAIL and not on_time_only(unserved)  # served nothing, no expiry: not the host
 
 
 def test_reason_says_which_term_set_the_bound():

@@ -67,3 +67,28 @@ def test_a_partitions_silence_is_where_its_rules_surely_held(monkeypatch):
     ((start, end, wall, min_gap, label),) = run.silences
     assert (start, end, wall) == (100.4, 101.3, 5000.4) and min_gap == pytest.approx(0.81)
     assert run.windows[0][:2] == (100.0, 101.8)  # the fault's own window still spans both commands
+
+
+def _steady(verdict, expiries, premature=0, outcome="expired"):
+    from leasekit.chaos.checks import CheckResult, LeaseVerdict
+    rows = [LeaseVerdict("A", verdict, "x", lease=SimpleNamespace(outcome=outcome))] if verdict == "FAIL" else []
+    return CheckResult("steady-state", verdict, f"{expiries} expiries", rows,
+                       {"expiries": expiries, "premature_expiries": premature})
+
+
+@pytest.mark.parametrize("first, second, runs, verdict", [
+    (_steady("FAIL", 4), _steady("PASS", 0), 2, "PASS"),  # a burst of host load: the second run decides
+    (_steady("FAIL", 4), _steady("FAIL", 4), 2, "FAIL"),  # a pair that cannot keep its leases fails twice
+    (_steady("FAIL", 4, premature=1), None, 1, "FAIL"),  # a premature expiry is a verdict at once
+    (_steady("FAIL", 1, outcome="aborted"), None, 1, "FAIL"),
+    (_steady("PASS", 0), None, 1, "PASS"),
+])
+def test_a_steady_state_with_only_on_time_expiries_runs_once_more(tmp_path, first, second, runs, verdict):
+    ex = ScenarioExecution(find_scenario("kill-decode"), "leasekit", SimpleNamespace(run_dir=tmp_path, decode=SimpleNamespace(started_at=1.0)), tmp_path,
+                           say=lambda *_: None)
+    results = [first, second]
+    ex._steady_run = lambda: results.pop(0)
+    check = ex.steady_state()
+    assert check.verdict == verdict and len(results) == 2 - runs
+    assert (runs == 2) == any("steady state run twice" in n for n in ex.result.notes)
+    assert ex.steady_state() is check  # cached for this D: the next scenario on the pair does not rerun it

@@ -165,3 +165,66 @@ def test_holder_tokens_follow_ds_max_model_len_and_fall_back_when_d_does_not_say
     finally:
         server.shutdown()
     assert holder_tokens(url, 1, 16, timeout_s=0.5) == HOLDER_MAX_TOKENS  # D not there
+
+
+class _StormRouter:
+    """Stands in for the P -> D router of an abort storm: each prefill takes ``prefill_s`` (a slow
+    host), each routed decode waits on D for ``serve_s`` or until its client gives up."""
+
+    def __init__(self, prefill_s: float, serve_s: float):
+        self.prefill_s, self.serve_s = prefill_s, serve_s
+        self.waiting: set[int] = set()
+        self.routed: list[tuple[int, float, float | None]] = []
+        self.lock = threading.Lock()
+        self.decode_url = "http://d"
+
+    def prefill(self, prompt):
+        from leasekit.cluster.router import PrefillResult
+        time.sleep(self.prefill_s)
+        return PrefillResult(200, self.prefill_s, {"remote_request_id": f"r{prompt[0]}"})
+
+    def decode(self, prompt, params, tokens, timeout_s=None, traceparent=None, routing_id=None):
+        index = prompt[0]
+        with self.lock:
+            self.routed.append((index, time.monotonic(), timeout_s))
+            self.waiting.add(index)
+        wait = self.serve_s if timeout_s is None else min(self.serve_s, timeout_s)
+        time.sleep(wait)
+        with self.lock:
+            self.waiting.discard(index)
+        if timeout_s is not None and timeout_s < self.serve_s:
+            return DecodeResult(0, wait, error="ReadTimeout")
+        return DecodeResult(200, wait, token_ids=[1])
+
+
+class _StormPair:
+    def __init__(self, router):
+        self.router = router
+        self.count = 0
+        self.decode = self
+
+    def prompt(self, tokens):
+        self.count += 1
+        return [self.count - 1]
+
+    def metrics(self):
+        with self.router.lock:
+            return {"vllm:num_requests_waiting": float(len(self.router.waiting))}
+
+
+def test_abort_storm_cancels_are_routed_together_once_the_rest_wait_on_d(monkeypatch):
+    # prefills of 0.4 s each and cancels that give up 0.5 s after routing: routing each cancel right
+    # after its prefill would let the first give up before the last is queued
+    router = _StormRouter(prefill_s=0.4, serve_s=30.0)
+    load = QueuedDecodeLoad(pair=_StormPair(router), requests=6, kind="abort_storm", decode_slots=1,
+                            never_decode_fraction=0.34, cancel_queued_fraction=0.34, cancel_after_s=0.5)
+    monkeypatch.setattr(QueuedDecodeLoad, "held_slots", property(lambda self: 0))  # no slot holder in the stand-in
+    load.start(timeout_s=5.0)
+    assert load.intent == {0: "never", 1: "never", 2: "decode", 3: "decode", 4: "cancel", 5: "cancel"}
+    routed = {index: at for index, at, _ in router.routed}
+    assert set(routed) == {2, 3, 4, 5}
+    assert abs(routed[4] - routed[5]) < 0.2  # together, not a prefill apart
+    assert min(routed[4], routed[5]) > routed[3] + 0.4  # after the last prefill, with the rest queued
+    assert {i: t for i, _, t in router.routed} == {2: None, 3: None, 4: 0.5, 5: 0.5}
+    assert load.queued_at is not None and load.queued_at < max(routed.values()) + 0.5  # all 4 seen waiting
+    load.release_slot()
