@@ -48,7 +48,7 @@ class PairPool:
 
     ``prefetch`` warms up what the next scenario needs while the current one runs: a spare D (when
     the current scenario will kill D) or the next pair (when the launch conditions change),
-    as background work (``SCHED_BATCH``, nice 10: a small share of the CPU, never preempting the
+    as background work (``SCHED_BATCH``, nice 10, autogroup nice 10: a small share of the CPU, never preempting the
     running scenario's threads), taking the ~45 s of engine imports off the critical path.
     """
 

@@ -152,7 +152,7 @@ _CLASSES_032 = (
     # the values of heartbeat_by_engine: D's fault points copy them and rebind req_ids (decode/heartbeats.py)
     ClassNeeds(f"{NIXL}.metadata", "HeartbeatInfo", attributes=("req_ids",)),
     ClassNeeds(f"{NIXL}.metadata", "ReqMeta", attributes=("remote", "local_block_ids")),
-    ClassNeeds(f"{NIXL}.metadata", "RemoteMeta", attributes=("request_id",)),
+    ClassNeeds(f"{NIXL}.metadata", "RemoteMeta", attributes=("request_id", "engine_id")),
     ClassNeeds(f"{NIXL}.tp_mapping", "ReadSpec", attributes=("remote_rank",)),
     # push mode (LeaseKitPushConnector, leasekit/vllm/push.py): nixl/push_worker.py, push_scheduler.py. The writer
     # thread must still own get_new_notifs, route PUSH_REG by its prefix and forward the rest to the engine thread
@@ -169,6 +169,7 @@ _CLASSES_032 = (
         "_pending_completion_notifs", "_recving_metadata", "xfer_stats", "nixl_wrapper", "kv_transfer_config",
         "tp_rank", "engine_id",
         "_failed_recv_reqs",  # D: a withheld registration's receive is failed through it (push.py _lk_withhold_lapsed)
+        "_remote_agents", "_handshake_lock",  # D: the P agents a WRITE notification may come from (push.py)
     ), writes={"_push_writer_loop": ("get_new_notifs", "startswith", "_handle_push_reg_notif",
                                      "_pending_completion_notifs"),
                "get_transfer_results": ("_pop_done_transfers", "_sending_transfers", "finished_sending")}),

@@ -28,7 +28,9 @@ vLLM's compatibility hash (its ``_TRANSFER_MODE`` stays ``"push"``). Hooks of vl
   load is failed for vLLM's ``kv_load_failure_policy`` instead of waiting for a WRITE that may never come;
 - D: heartbeat spans as in pull mode; a WRITE notification for a request D no longer waits on (its blocks may have
   been freed and reused) is counted (``leasekit_kv_lease_push_late_writes_total``), logged and dropped; a
-  malformed one is counted and dropped instead of raising in D's engine step.
+  malformed one is counted and dropped instead of raising in D's engine step; one from an agent that is not one of
+  the request's P engine, or a repeat from the same agent, is dropped (``foreign_write``, ``duplicate_write``:
+  :mod:`leasekit.vllm.decode.writenotes`) instead of counting towards the request's KV.
 
 Load with ``kv_connector="LeaseKitPushConnector"`` and ``kv_connector_module_path="leasekit.vllm.connector"``
 (this module is imported by it, after the release check). Configuration: as LeaseKitConnector
@@ -51,6 +53,7 @@ from leasekit.lease.config import LeaseTiming
 from leasekit.lease.peerref import peer_ref
 from leasekit.telemetry.lease_log import RateLimitedWarning, lease_logger
 from leasekit.vllm.decode.hooks import DHooks
+from leasekit.vllm.decode.writenotes import FOREIGN_WRITE, WriteNoteGuard
 from leasekit.vllm.prefill.hooks import PHooks
 from leasekit.vllm.pushflow import PushFlow
 from leasekit.vllm.scheduler import LeaseKitSchedulerMixin
@@ -98,6 +101,7 @@ class LeaseKitPushWorker(LeaseKitWorkerMixin, PHooks, DHooks, NixlPushConnectorW
         self._lk_failed: list[str] = []
         self._lk_late_warning = RateLimitedWarning(lease_logger())
         self._lk_withheld_warning = RateLimitedWarning(lease_logger())
+        self._lk_writes = WriteNoteGuard()
 
     def start_load_kv(self, metadata: Any) -> None:
         """LeaseKit's and vLLM's ``start_load_kv``; each new lease's base id becomes matchable by registrations."""
@@ -243,6 +247,13 @@ class LeaseKitPushWorker(LeaseKitWorkerMixin, PHooks, DHooks, NixlPushConnectorW
                                        req_id, event="write_refused")
         self._lk_failed, self._lk_late = [], []
 
+    def _lk_write_senders(self, req_id: str) -> set[str]:
+        """D: the NIXL agent names of the P engine request ``req_id`` registered with (those D sent its ``PUSH_REG``
+        to; empty when D has no handshake with it)."""
+        remote = getattr(self._recving_metadata.get(req_id), "remote", None)
+        with self._handshake_lock:
+            return set((self._remote_agents.get(getattr(remote, "engine_id", None)) or {}).values())
+
     def _get_new_notifs(self) -> set[str]:
         """The writer thread's forwarded notifications, with their senders: heartbeats (and anything malformed) to
         P's notification intake; a WRITE notification for a request D waits on to vLLM's accounting; one for a
@@ -264,6 +275,13 @@ class LeaseKitPushWorker(LeaseKitWorkerMixin, PHooks, DHooks, NixlPushConnectorW
                 if not isinstance(note, Completion):
                     p_batch.setdefault(agent, []).append(msg)
                 elif note.req_id in self._recving_metadata:
+                    senders = self._lk_write_senders(note.req_id)
+                    why = self._lk_writes.admit(note.req_id, agent, senders)
+                    if why is not None:
+                        intake.drop(why, agent, f"WRITE notification for {note.req_id!r} from an agent that is " + (
+                            f"not one of its P engine's ({', '.join(sorted(peer_ref(a) for a in senders)) or 'none'})"
+                            if why == FOREIGN_WRITE else "already counted for it"))
+                        continue
                     self._pending_completion_notifs.put(bytes(msg))
                     forward = True
                 elif consumer:
@@ -277,6 +295,8 @@ class LeaseKitPushWorker(LeaseKitWorkerMixin, PHooks, DHooks, NixlPushConnectorW
                                 "(P frees on its WRITE)")
         if p_batch:
             intake.drain(p_batch, time.perf_counter())
+        if consumer:
+            self._lk_writes.prune(self._recving_metadata)
         if forward:  # vLLM's own method (not PHooks', the pull-mode intake next in the MRO)
             NixlPushConnectorWorker._get_new_notifs(self)  # its accounting of the WRITE notifications D waits on
         return set()

@@ -163,6 +163,8 @@ class PushFlow:
                 self._reaped.pop(req_id, None)
         if len(self._bases) > 4096 + 4 * len(self._reqs_to_send):  # leases that ended unseen (aborts): prune
             self._bases = {b: r for b, r in self._bases.items() if r in self._reqs_to_send}
+        if len(self._agents) > 4096 + 4 * len(self._reqs_to_send):  # registered, then aborted before any WRITE
+            self._agents = {lease: agent for lease, agent in list(self._agents.items()) if lease in self._reqs_to_send}
 
     def ended(self, req_id: str) -> None:
         """``req_id``'s lease ended (released, expired or aborted)."""
@@ -178,6 +180,7 @@ class PushFlow:
         reaped = self._reaped
         for req_id in req_ids:
             reaped[req_id] = None
+            self._agents.pop(req_id, None)  # registered, never written: nothing will pop it
         while len(reaped) > REAPED_KEPT:
             del reaped[next(iter(reaped))]
 

@@ -171,3 +171,22 @@ def test_a_new_grant_under_a_reaped_id_may_be_written_again():
     assert not flow.begin_write("r")
     flow.granted("r")  # a retried request with the same id: a new lease
     assert flow.begin_write("r")
+
+
+def test_the_agent_of_a_registration_never_written_is_forgotten_when_its_lease_is_reaped_or_pruned():
+    flow, leases, _ = make()
+    leases["r-1a2b3c4d"] = 6.0
+    flow.granted("r-1a2b3c4d")
+    assert flow.writer_batch({"d-agent": [reg("r-1a2b3c4d")]})
+    assert flow._agents == {"r-1a2b3c4d": "d-agent"}
+    del leases["r-1a2b3c4d"]
+    with flow.write_lock:
+        flow.reaped(["r-1a2b3c4d"])  # expired before its WRITE: nothing else pops it
+    assert flow._agents == {}
+    # registrations accepted, then their leases aborted (never reaped, never written): pruned on later grants
+    for i in range(4200):
+        flow._agents[f"gone-{i}"] = "d-agent"
+    leases["live-1a2b3c4d"] = 6.0
+    flow._agents["live-1a2b3c4d"] = "d-agent"
+    flow.granted("live-1a2b3c4d")
+    assert flow._agents == {"live-1a2b3c4d": "d-agent"}
