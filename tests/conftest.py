@@ -8,6 +8,7 @@ import threading
 
 import pytest
 
+from leasekit.chaos.suite import signals_deferred
 from tests.prefetch import PREFETCH
 from tests.shared_pair import SharedPair
 
@@ -58,8 +59,9 @@ def pytest_runtest_teardown(item, nextitem):
 def pytest_sessionfinish(session, exitstatus):
     """Stop the shared pair if the session ended early (interrupted, ``-x``), and every prefetched
     pair that no test claimed."""
-    _SHARED.stop()
-    PREFETCH.stop()
+    with signals_deferred(raise_after=False):  # a second SIGINT/SIGTERM must not cut the stops short
+        _SHARED.stop()
+        PREFETCH.stop()
 
 
 def pytest_runtest_setup(item):

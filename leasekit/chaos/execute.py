@@ -71,10 +71,14 @@ class ScenarioExecution:
         if not ss.enabled:
             return None
         key = (self.target, str(getattr(self.pair, "run_dir", "")), getattr(self.pair.decode, "started_at", None),
-               self.s.workload.model_dump_json(), self.s.hold_decode_slot_s())  # this D process, this workload
+               self.s.workload.model_dump_json(), self.s.hold_decode_slot_s(),
+               ss.model_dump_json())  # this D process, this workload, this hypothesis
         if key in self.steady_cache:
-            self.result.notes.append(f"steady state reused from {self.steady_cache[key][0]} on this pair")
-            return self.steady_cache[key][1]
+            cached = self.steady_cache[key][1]
+            first = cached.details.get("first_run")
+            self.result.notes.append(f"steady state reused from {self.steady_cache[key][0]} on this pair"
+                                     + (f" (run twice there: the first had {first['summary']})" if first else ""))
+            return cached
         self.say(f"{self.s.name}/{self.target}: steady state (no fault)")
         check = self._steady_run()
         if on_time_only(check):
@@ -85,6 +89,7 @@ class ScenarioExecution:
             load = os.getloadavg()
             self.say(f"{self.s.name}/{self.target}: steady state failed ({first}; load average {load[0]:.1f}); once more")
             check = self._steady_run()
+            check.details["first_run"] = {"summary": first, "load_average": [round(x, 2) for x in load]}
             self.result.notes.append(f"steady state run twice: the first had {first} with no fault, every one on time "
                                      f"(load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}); the second: {check.summary}")
         self.steady_cache[key] = (self.s.name, check)

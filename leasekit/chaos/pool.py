@@ -48,8 +48,9 @@ class PairPool:
 
     ``prefetch`` warms up what the next scenario needs while the current one runs: a spare D (when
     the current scenario will kill D) or the next pair (when the launch conditions change),
-    as background work (``SCHED_BATCH``, nice 10, autogroup nice 10: a small share of the CPU, never preempting the
-    running scenario's threads), taking the ~45 s of engine imports off the critical path.
+    as background work (``SCHED_BATCH``, nice 10: never preempting the running scenario's threads; with
+    the kernel's autogroups on, nice weighs only within a server's own session, so a warming spare still
+    shares the CPU with the running pair), taking the ~45 s of engine imports off the critical path.
     """
 
     def __init__(self, run_dir: str | Path, *, start_timeout_s: float = 300.0, say=print):

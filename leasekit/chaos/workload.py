@@ -293,7 +293,7 @@ class QueuedDecodeLoad:
             # everything else waits on D, so that none gives up before the last one is queued (on a slow
             # host prefills take seconds each, and routing each right after its prefill let the first
             # ones give up before the queue was complete)
-            self._wait_waiting(decoding - len(cancels), timeout_s)
+            self._wait_waiting(decoding - len(cancels) - (1 if self.kind == "overload" else 0), timeout_s)
             for index in cancels:
                 self._route(index, self.prompts[index], self.prefills[index], self.cancel_after_s)
         self._wait_waiting(decoding - 1 if self.kind == "overload" else decoding, timeout_s)

@@ -1,8 +1,7 @@
 """Servers warming up in the background (spare Ds and the next pairs of a chaos suite) give way to
 the servers that a run waits for.
 
-A spare starts as background work (``SCHED_BATCH``, nice 10, its session's autogroup at nice 10:
-:func:`leasekit.cluster.procs.child_preexec`), but on a small machine that is not
+A spare starts as background work (``SCHED_BATCH``, nice 10), but on a small machine that is not
 enough: vLLM's engines busy-poll (a running P spins on its NIXL progress while it holds leases), so a
 D restarting in the foreground next to six warming spares got a fraction of a core and took 2-3
 minutes instead of one. Two rules, for every local server started idle

@@ -9,7 +9,6 @@ import ctypes
 import errno
 import os
 import random
-import resource
 import signal
 import socket
 import time
@@ -30,15 +29,6 @@ def child_preexec(cpu: int | tuple[int, ...] | None, *, die_with_parent: bool = 
 
     ``SCHED_IDLE`` would be gentler still, but vLLM's engines busy-poll (NIXL progress thread, shared-
     memory queues), so on this class of machine an idle-policy spare starved and gained nothing.
-
-    A process nice value only weighs against the other tasks of its *autogroup* (sched(7), "The
-    autogroup feature", on whenever ``/proc/sys/kernel/sched_autogroup_enabled`` is 1): with
-    ``start_new_session`` every server is its own session, so its own autogroup, and a nice-10 spare
-    got as much CPU as the running scenario's P or D (measured: seven warming spares left the
-    running pair about a fifth of the CPU). So an idle child that leads its own session
-    (``start_new_session``) also sets its new autogroup's nice to ``BACKGROUND_NICE``
-    (``/proc/self/autogroup``), when :func:`normal_priority` may set it back to 0 later (root, or
-    ``RLIMIT_NICE`` allowing nice 0); one in its parent's session leaves the parent's autogroup alone.
     """
 
     def _preexec() -> None:
@@ -47,8 +37,6 @@ def child_preexec(cpu: int | tuple[int, ...] | None, *, die_with_parent: bool = 
         if idle:
             os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
             os.setpriority(os.PRIO_PROCESS, 0, BACKGROUND_NICE)
-            if os.getsid(0) == os.getpid() and may_restore_autogroup_nice():  # its own session: its own autogroup
-                set_autogroup_nice(os.getpid(), BACKGROUND_NICE)
         if not die_with_parent:
             return
         try:
@@ -166,43 +154,9 @@ BACKGROUND_NICE = 10
 """Nice value of servers started as background spares (see :func:`child_preexec`)."""
 
 
-def may_restore_autogroup_nice() -> bool:
-    """Whether this process may lower an autogroup's nice back to 0 (root, or ``RLIMIT_NICE`` >= 20;
-    setpriority(2)): only then does a spare start with a raised autogroup nice."""
-    if os.geteuid() == 0:
-        return True
-    soft, _hard = resource.getrlimit(resource.RLIMIT_NICE)
-    return soft == resource.RLIM_INFINITY or soft >= 20
-
-
-def autogroup_nice(pid: int) -> int | None:
-    """The nice value of ``pid``'s autogroup (``/proc/<pid>/autogroup``: ``/autogroup-N nice K``); None when
-    the kernel has no autogroups or the process is gone."""
-    try:
-        with open(f"/proc/{pid}/autogroup", encoding="ascii") as handle:
-            return int(handle.read().split()[-1])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def set_autogroup_nice(pid: int, nice: int) -> bool:
-    """Set the nice value (-20..19) of ``pid``'s autogroup, which weighs that whole session against the other
-    autogroups; returns False (nothing changed) without autogroups, permission, or the process."""
-    try:
-        with open(f"/proc/{pid}/autogroup", "w", encoding="ascii") as handle:
-            handle.write(str(nice))
-        return True
-    except OSError:
-        return False
-
-
 def normal_priority(pids: list[int]) -> int:
     """Move every background thread of ``pids`` (``SCHED_BATCH``/``SCHED_IDLE``) back to
-    ``SCHED_OTHER`` at nice 0, and each process's autogroup back to nice 0 (see :func:`child_preexec`);
-    returns threads changed (others are left alone)."""
-    for pid in pids:
-        if autogroup_nice(pid) not in (None, 0):
-            set_autogroup_nice(pid, 0)
+    ``SCHED_OTHER`` at nice 0; returns threads changed (others are left alone)."""
     changed = 0
     for tid in _thread_ids(pids):
         try:

@@ -256,7 +256,9 @@ class LeaseKitPushWorker(LeaseKitWorkerMixin, PHooks, DHooks, NixlPushConnectorW
 
     def _get_new_notifs(self) -> set[str]:
         """The writer thread's forwarded notifications, with their senders: heartbeats (and anything malformed) to
-        P's notification intake; a WRITE notification for a request D waits on to vLLM's accounting; one for a
+        P's notification intake; a WRITE notification for a request D waits on to vLLM's accounting when it comes
+        from an agent of the request's P engine, once per agent (else dropped: ``foreign_write``,
+        ``duplicate_write``, :mod:`leasekit.vllm.decode.writenotes`); one for a
         request D no longer waits on is a late write (D) and a read completion on P is dropped
         (``push_completion``). Returns nothing: P frees on its WRITE handles (vllm 0.33.0). Never raises for
         anything a peer sent."""

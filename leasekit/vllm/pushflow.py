@@ -68,7 +68,7 @@ class PushFlow:
         self._dropped: deque[tuple[str, str, str]] = deque()
         self._issued: deque[tuple[str, float, str]] = deque()
         self._refused: deque[str] = deque()
-        self._agents: dict[str, str] = {}  # lease -> agent of its accepted registration (writer thread writes)
+        self._agents: dict[str, str] = {}  # lease -> agent of its accepted registration (writer inserts/pops under _lock)
         self._lock = threading.Lock()
         self._polled_at: float | None = None  # start of the writer's last poll (perf_counter s), under _lock
         self.heard_until: float | None = None
@@ -109,8 +109,10 @@ class PushFlow:
         accepted, dropped = self.guard.filter(regs, self._clock())
         self._dropped.extend(dropped)
         out: dict[str, list[bytes]] = {}
+        with self._lock:
+            for agent, msg, _reg, lease in accepted:
+                self._agents[lease] = agent
         for agent, msg, _reg, lease in accepted:
-            self._agents[lease] = agent
             out.setdefault(agent, []).append(msg)
         return out
 
@@ -151,7 +153,9 @@ class PushFlow:
 
     def issued(self, req_id: str, handles: int) -> None:
         """vLLM's writer issued ``handles`` WRITE transfers for lease ``req_id`` (writer thread)."""
-        self._issued.append((req_id, self._clock(), self._agents.pop(req_id, "")))
+        with self._lock:  # the engine thread prunes _agents under it
+            agent = self._agents.pop(req_id, "")
+        self._issued.append((req_id, self._clock(), agent))
 
     # -- engine thread ---------------------------------------------------------------------------------------
     def granted(self, req_id: str) -> None:
@@ -164,7 +168,9 @@ class PushFlow:
         if len(self._bases) > 4096 + 4 * len(self._reqs_to_send):  # leases that ended unseen (aborts): prune
             self._bases = {b: r for b, r in self._bases.items() if r in self._reqs_to_send}
         if len(self._agents) > 4096 + 4 * len(self._reqs_to_send):  # registered, then aborted before any WRITE
-            self._agents = {lease: agent for lease, agent in list(self._agents.items()) if lease in self._reqs_to_send}
+            with self._lock:  # the writer thread inserts under it
+                for lease in [lease for lease in self._agents if lease not in self._reqs_to_send]:
+                    del self._agents[lease]
 
     def ended(self, req_id: str) -> None:
         """``req_id``'s lease ended (released, expired or aborted)."""

@@ -103,6 +103,13 @@ def test_a_steady_state_that_failed_otherwise_is_not_run_again():
     assert aborted.verdict == FAIL and not on_time_only(aborted)
     unserved = check_steady_state(released, ["A", "B"], {0: served[0], 1: DecodeResult(500, 0.1, error="boom")}, T6)
     assert unserved.verdict == FAIL and not on_time_only(unserved)  # served nothing, no expiry: not the host
+    # an on-time expiry of A beside an unanswered B whose lease was released: B's failure is not the host's
+    mixed = check_steady_state([lease("A", end=6.0), released[1]], ["A", "B"],
+                               {0: DecodeResult(0, 3.0, error="ReadTimeout"), 1: DecodeResult(500, 0.1, error="boom")}, T6)
+    assert mixed.verdict == FAIL and not on_time_only(mixed)
+    allowed = check_steady_state([lease("A", end=6.0), released[1]], ["A", "B"],
+                                 {0: served[0], 1: DecodeResult(500, 0.1, error="boom")}, T6, expiries_allowed=1)
+    assert allowed.verdict == FAIL and not on_time_only(allowed)
 
 
 def test_reason_says_which_term_set_the_bound():

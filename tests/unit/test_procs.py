@@ -6,7 +6,6 @@ import sys
 import time
 
 import psutil
-import pytest
 
 from leasekit.cluster import procs
 
@@ -53,29 +52,9 @@ def test_background_children_run_batch_at_nice_10_until_given_normal_priority():
         assert len(tids) >= 2
         assert all(os.sched_getscheduler(t) == os.SCHED_BATCH for t in tids)
         assert all(os.getpriority(os.PRIO_PROCESS, t) == procs.BACKGROUND_NICE for t in tids)
-        assert procs.autogroup_nice(child.pid) in (None, 0)  # in the test's session: its autogroup is the test's
         assert procs.normal_priority([child.pid]) == len(tids)
         assert all(os.sched_getscheduler(t) == os.SCHED_OTHER and os.getpriority(os.PRIO_PROCESS, t) == 0 for t in tids)
-        assert procs.autogroup_nice(child.pid) in (None, 0)  # the test's own session: never reniced
         assert procs.normal_priority([child.pid]) == 0  # nothing left to change
-    finally:
-        child.kill()
-        child.wait()
-
-
-@pytest.mark.skipif(procs.autogroup_nice(os.getpid()) is None, reason="the kernel has no autogroups")
-def test_a_background_session_is_weighed_as_background_against_other_sessions_until_promoted():
-    # nice alone only weighs within one autogroup (one session): a spare in its own session must lower its
-    # whole autogroup, or it takes as much CPU as the running scenario's servers
-    assert procs.may_restore_autogroup_nice()  # root here: a promoted spare can always be set back
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True,
-                             preexec_fn=procs.child_preexec(None, die_with_parent=False, idle=True))
-    try:
-        time.sleep(0.5)
-        assert procs.autogroup_nice(child.pid) == procs.BACKGROUND_NICE
-        assert procs.autogroup_nice(os.getpid()) != procs.BACKGROUND_NICE or os.getsid(0) == os.getsid(child.pid)
-        procs.normal_priority([child.pid])
-        assert procs.autogroup_nice(child.pid) == 0
     finally:
         child.kill()
         child.wait()

@@ -73,7 +73,8 @@ def _steady(verdict, expiries, premature=0, outcome="expired"):
     from leasekit.chaos.checks import CheckResult, LeaseVerdict
     rows = [LeaseVerdict("A", verdict, "x", lease=SimpleNamespace(outcome=outcome))] if verdict == "FAIL" else []
     return CheckResult("steady-state", verdict, f"{expiries} expiries", rows,
-                       {"expiries": expiries, "premature_expiries": premature})
+                       {"expiries": expiries, "premature_expiries": premature,
+                        "only_on_time_expiries": verdict == "FAIL" and not premature and outcome == "expired"})
 
 
 @pytest.mark.parametrize("first, second, runs, verdict", [
@@ -92,3 +93,4 @@ def test_a_steady_state_with_only_on_time_expiries_runs_once_more(tmp_path, firs
     assert check.verdict == verdict and len(results) == 2 - runs
     assert (runs == 2) == any("steady state run twice" in n for n in ex.result.notes)
     assert ex.steady_state() is check  # cached for this D: the next scenario on the pair does not rerun it
+    assert ("run twice there" in ex.result.notes[-1]) == (runs == 2)  # and its notes say the first run failed
