@@ -3,8 +3,6 @@ not skip, when vLLM is missing, unless ``LEASEKIT_SKIP_PAIR=1`` says so explicit
 is one such pair that several modules share (:mod:`tests.shared_pair`)."""
 
 import os
-import signal
-import threading
 
 import pytest
 
@@ -27,19 +25,6 @@ def vllm_available():
 
 
 _SHARED = SharedPair()
-
-
-def _sigterm_as_interrupt(signum, frame):
-    raise KeyboardInterrupt("signal SIGTERM")
-
-
-def pytest_configure(config):
-    """SIGTERM (a cancelled CI job, ``timeout``) ends the session as Ctrl-C does, so fixture teardown and
-    :func:`pytest_sessionfinish` stop every pair the tests started: by default SIGTERM kills pytest at once, and
-    a vLLM engine core outlives its API server (found: two prefetched pairs' engine cores spinning for an hour
-    after ``timeout`` ended a run)."""
-    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
 
 
 @pytest.fixture(scope="module")
