@@ -165,3 +165,11 @@ def test_decode_conservation_fails_a_leak_and_cannot_judge_a_killed_or_unreadabl
     assert check_decode_conservation(None, waited_s=15).verdict == UNKNOWN
     killed = check_decode_conservation(0.5, waited_s=0, decode_killed=True)
     assert killed.verdict == UNKNOWN and "killed" in killed.summary
+
+
+def test_all_served_names_what_was_not_answered():
+    from leasekit.chaos.checks import check_all_served
+    ok = check_all_served({0: DecodeResult(200, 0.1, token_ids=[1]), 1: DecodeResult(200, 0.1, token_ids=[2])}, [0, 1])
+    assert ok.verdict == PASS and ok.summary == "2/2 served"
+    bad = check_all_served({0: DecodeResult(500, 0.1, error="boom")}, [0, 1])
+    assert bad.verdict == FAIL and bad.details["missing"] == [1] and "#0: HTTP 500 boom" in bad.summary
