@@ -245,7 +245,8 @@ def check_steady_state(
         problems.append(f"{expired} expiries (allowed {expiries_allowed}{f', {early} premature' if early else ''})")
     elif early:
         problems.append(f"{early} premature expiries")
-    if any(r.verdict == FAIL and (r.lease is None or r.lease.outcome != sc.OUTCOME_EXPIRED) for r in rows):
+    unreleased = any(r.verdict == FAIL and (r.lease is None or r.lease.outcome != sc.OUTCOME_EXPIRED) for r in rows)
+    if unreleased:
         problems.append("lease(s) not released")
     if all_served and served < len(ids):
         problems.append(f"{len(ids) - served}/{len(ids)} request(s) not served")
@@ -253,7 +254,7 @@ def check_steady_state(
     unserved_ids = [rid for (_, d), rid in zip(sorted(decodes.items()), ids) if not d.ok] if len(decodes) == len(ids) else None
     # every failure comes from a lease that expired on time (its request then unanswered): see on_time_only
     explained = (early == 0 and expired > 0 and unserved_ids is not None and set(unserved_ids) <= expired_ids
-                 and not any(r.verdict == FAIL and (r.lease is None or r.lease.outcome != sc.OUTCOME_EXPIRED) for r in rows))
+                 and not unreleased)
     verdict = FAIL if problems else PASS
     summary = "; ".join(problems) if problems else f"{served}/{len(ids)} request(s) served, {expired} expiries"
     return CheckResult(
