@@ -32,7 +32,7 @@ import pytest
 from leasekit.chaos.faults.stall import FreezerStall
 from leasekit.cluster.pair import PairSpec
 from leasekit.cluster.serverspec import SERVED_MODEL_NAME
-from leasekit.lease.readgate import OUTCOME_REAPED, OUTCOME_TIMEOUT, OUTCOME_VERIFIED, PROOF_PLEDGE
+from leasekit.lease.readgate import OUTCOME_REAPED, OUTCOME_TIMEOUT, OUTCOME_VERIFIED, PROOF_ACK, PROOF_PLEDGE
 from leasekit.telemetry import semconv as sc
 from leasekit.telemetry import metrics as m
 from leasekit.telemetry.spanfile import read_span_dir
@@ -44,6 +44,7 @@ from tests.scrape import labelled
 pytestmark = pytest.mark.pair
 L, E = 6, 4
 TOKENS = 8
+PLEDGE_TRIES = 4
 KV_CACHE_BYTES = 5 << 20  # 5120 tokens: 40 blocks of 128 tokens on this model (one is vLLM's null block)
 
 
@@ -183,11 +184,19 @@ def test_blocks_reused_before_a_late_read_are_never_served(vllm_available, tmp_p
         assert _read_waits(pair, queued) == [(OUTCOME_VERIFIED, 0.0)]
         # a read right after its grant, D holding a fresh sample of P's clock (the previous request's ack):
         # the grant's pledge proves it with no wait, and P kept the blocks pinned until the pledge ended
+        # (on a slow host D may finish the read after the pledge ended, P's ack of a queued heartbeat then
+        # proves it: also verified with no wait, so such a read is tried again, up to PLEDGE_TRIES times)
         assert pair.router.generate(pair.prompt(48), TOKENS).decode.ok
-        fast = pair.router.generate(pair.prompt(48), TOKENS)
-        assert fast.decode is not None and fast.decode.ok
-        _wait(lambda: _read_proofs(pair, fast.prefill.request_id) != [], 10, "the immediate read's span")
-        assert _read_proofs(pair, fast.prefill.request_id) == [(OUTCOME_VERIFIED, 0.0, PROOF_PLEDGE)]
+        seen = []
+        for _ in range(PLEDGE_TRIES):
+            fast = pair.router.generate(pair.prompt(48), TOKENS)
+            assert fast.decode is not None and fast.decode.ok
+            _wait(lambda: _read_proofs(pair, fast.prefill.request_id) != [], 10, "the immediate read's span")
+            seen.append(_read_proofs(pair, fast.prefill.request_id))
+            assert seen[-1] in ([(OUTCOME_VERIFIED, 0.0, PROOF_PLEDGE)], [(OUTCOME_VERIFIED, 0.0, PROOF_ACK)]), seen
+            if seen[-1][0][2] == PROOF_PLEDGE:
+                break
+        assert seen[-1] == [(OUTCOME_VERIFIED, 0.0, PROOF_PLEDGE)], f"no read of {PLEDGE_TRIES} was proven by its pledge: {seen}"
         assert lease(pair, fast.prefill.request_id).outcome == "released"
         assert 0 < _lease_attribute(pair, fast.prefill.request_id, sc.PLEDGE_HOLD_S) <= 1.0 + 0.5
         p_digest, d_digest = _digests(pair, fast.prefill.request_id)
