@@ -66,7 +66,7 @@ off), ``unknown`` (P never heard from a D about the lease)."""
 NOTIFICATION_DROP_REASONS = DECODE_ERROR_REASONS + (
     "unknown_id", "duplicate", "foreign_heartbeat", "foreign_completion", "bad_hello", "internal_error",
     "unproven_heartbeat", "unproven_completion", "unproven_hello", "hello_not_allowed", "bad_heartbeat_id",
-) + _PUSH_REG_DROP_REASONS + ("push_completion", "foreign_write", "duplicate_write")
+) + _PUSH_REG_DROP_REASONS + ("push_completion", "foreign_write", "duplicate_write", "backlog_full")
 """``reason`` label values of :data:`NOTIFICATIONS_DROPPED`: the codec's refusals
 (:data:`leasekit.lease.codec.DECODE_ERROR_REASONS`, ``bad_protocol`` for a malformed ``LK1:`` message
 among them), then ``bad_hello`` (a LeaseKit hello whose NIXL agent metadata was refused or names another
@@ -83,7 +83,8 @@ of :data:`leasekit.lease.pushreg.DROP_REASONS` (``bad_push_reg``, ``push_reg_ove
 ``push_reg_not_allowed``, ``push_reg_repeat``, ``push_reg_overflow``), ``push_completion`` (a read completion
 sent to a push-mode P, which frees only on its own WRITEs), and on a push-mode D ``foreign_write`` / ``duplicate_write``
 (a WRITE notification from an agent that is not one of the request's P engine, or a repeat from one:
-:mod:`leasekit.vllm.decode.writenotes`)."""
+:mod:`leasekit.vllm.decode.writenotes`); ``backlog_full`` (push-mode P: a notification the writer thread forwarded
+while the engine thread had not taken the :data:`leasekit.vllm.pushflow.BACKLOG_MESSAGES` already waiting)."""
 PROOF_KINDS = ("proven", "plain")
 """``proof`` label values of :data:`BINDINGS` (:mod:`leasekit.lease.pkeeping`: ``PROVEN``, ``PLAIN``)."""
 

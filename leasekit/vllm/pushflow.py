@@ -30,9 +30,18 @@ from typing import Any
 
 from leasekit.lease.pushreg import PUSH_REG_PREFIX, PushRegGuard
 from leasekit.lease.peerref import peer_ref
+from leasekit.telemetry.lease_log import RateLimitedWarning, lease_logger
 
 REAPED_KEPT = 4096
 """How many reaped lease ids :class:`PushFlow` remembers to refuse their WRITEs."""
+BACKLOG_MESSAGES = 65536
+"""At most this many notifications wait, forwarded by the writer thread, for the engine thread (and at most this
+many dropped registrations wait to be logged): past it, while P's engine thread does not take them (a long step,
+a stall), a flood from any peer is dropped and counted (``backlog_full``) instead of growing P's memory."""
+BACKLOG_BYTES = 64 << 20
+"""At most this many bytes of forwarded notifications wait for the engine thread (see :data:`BACKLOG_MESSAGES`)."""
+BACKLOG_REASON = "backlog_full"
+"""The drop reason of a notification the backlog had no room for."""
 
 _RANDOM_SUFFIX = re.compile(r"-[0-9a-f]{8}$", re.IGNORECASE)
 
@@ -65,6 +74,8 @@ class PushFlow:
         self._clock = clock
         self.guard = PushRegGuard(live=self.live, allowed=allowed, hold_s=hold_s, max_bytes=max_bytes)
         self._forwarded: deque[tuple[str, bytes]] = deque()
+        self._forwarded_bytes = 0
+        self._overflow: dict[str, int] = {}  # reason -> messages dropped for want of room (under _lock)
         self._dropped: deque[tuple[str, str, str]] = deque()
         self._issued: deque[tuple[str, float, str]] = deque()
         self._refused: deque[str] = deque()
@@ -80,6 +91,9 @@ class PushFlow:
         self.submitting: str | None = None
         """The lease whose WRITE the writer is submitting now (the reap holds it back: :meth:`reap_hold`)."""
         self._reaped: dict[str, None] = {}  # leases the reap ended, oldest first (bounded: REAPED_KEPT)
+        self._overflow_warning = RateLimitedWarning(lease_logger())
+        self.lost_at: float | None = None
+        """When the writer last dropped a forwarded notification for want of room (perf_counter s), or None."""
 
     # -- writer thread ---------------------------------------------------------------------------------------
     def live(self, request_id: str) -> str | None:
@@ -98,16 +112,22 @@ class PushFlow:
         raises."""
         regs: list[tuple[str, bytes]] = []
         with self._lock:
-            if polled_at is not None:
-                self._polled_at = polled_at
             for agent, messages in batch.items():
                 for msg in messages:
                     if isinstance(msg, (bytes, bytearray)) and bytes(msg[:len(PUSH_REG_PREFIX)]) == PUSH_REG_PREFIX:
                         regs.append((agent, msg))
-                    else:
-                        self._forwarded.append((agent, msg))
+                        continue
+                    size = len(msg) if isinstance(msg, (bytes, bytearray, str)) else 0
+                    if len(self._forwarded) >= BACKLOG_MESSAGES or self._forwarded_bytes + size > BACKLOG_BYTES:
+                        self._overflow[BACKLOG_REASON] = self._overflow.get(BACKLOG_REASON, 0) + 1
+                        self.lost_at = self._clock()
+                        continue
+                    self._forwarded.append((agent, msg))
+                    self._forwarded_bytes += size
+            if polled_at is not None:
+                self._polled_at = polled_at
         accepted, dropped = self.guard.filter(regs, self._clock())
-        self._dropped.extend(dropped)
+        self._queue_drops(dropped)
         out: dict[str, list[bytes]] = {}
         with self._lock:
             for agent, msg, _reg, lease in accepted:
@@ -118,7 +138,16 @@ class PushFlow:
 
     def writer_drop(self, reason: str, agent: str, detail: str) -> None:
         """Queue one registration the writer thread dropped (counted and logged on the engine thread)."""
-        self._dropped.append((reason, agent, detail))
+        self._queue_drops([(reason, agent, detail)])
+
+    def _queue_drops(self, drops: list[tuple[str, str, str]]) -> None:
+        """Queue drops to count and log on the engine thread; past :data:`BACKLOG_MESSAGES` waiting, only counted."""
+        with self._lock:
+            for reason, agent, detail in drops:
+                if len(self._dropped) < BACKLOG_MESSAGES:
+                    self._dropped.append((reason, agent, detail))
+                else:
+                    self._overflow[reason] = self._overflow.get(reason, 0) + 1
 
     def begin_write(self, req_id: str) -> bool:
         """Writer thread, before vLLM submits the WRITE of lease ``req_id``: False (submit nothing) once P's reap
@@ -194,11 +223,15 @@ class PushFlow:
         """The instant (perf_counter s) up to which P's reap may judge D's silence: ``now``, but no later than
         :attr:`heard_until` (what the writer thread has not polled yet, P has not heard), and no earlier than
         ``now - patience_s`` (a writer stalled longer delays reclaim by at most ``patience_s``; P passes
-        ``E``). A lease is due when its deadline is at or before this instant."""
+        ``E``). Within ``patience_s`` after the writer last lost a notification for want of room (:attr:`lost_at`),
+        never later than ``now - patience_s``: a dropped heartbeat delays reclaim by at most ``E``. (A flood that
+        fills the backlog for longer than ``E`` can still cost a lease all its heartbeats of that time; each loss
+        is counted, ``backlog_full``.) A lease is due when its deadline is at or before this instant."""
         heard = self.heard_until
-        if heard is None or heard >= now:
-            return now
-        return max(heard, now - patience_s)
+        clock = now if heard is None or heard >= now else max(heard, now - patience_s)
+        if self.lost_at is not None and now - self.lost_at < patience_s:
+            clock = min(clock, now - patience_s)  # a heartbeat may be among what was lost: judge E late
+        return clock
 
     def take_notifications(self) -> dict[str, list[bytes]]:
         """The non-registration notifications the writer thread saw since the last call, by sender, in order;
@@ -209,15 +242,25 @@ class PushFlow:
             while self._forwarded:
                 agent, msg = self._forwarded.popleft()
                 batch.setdefault(agent, []).append(msg)
+            self._forwarded_bytes = 0
         return batch
 
     def record(self, recorder: Any, stats: Any) -> None:
-        """Count and log the registrations the writer thread dropped; note each WRITE issued on its lease span
+        """Count and log the registrations the writer thread dropped (and count, with one rate-limited WARNING, what
+        found no room in the backlog: :data:`BACKLOG_MESSAGES`); note each WRITE issued on its lease span
         (``leasekit.push.write_issued_after_s``: seconds from grant, P's clock; ``leasekit.push.decode_agent``:
         the peer reference of the D agent whose registration it answered) and count it."""
+        with self._lock:
+            overflow, self._overflow = self._overflow, {}
         while self._dropped:
             reason, agent, detail = self._dropped.popleft()
             self._drop(reason, agent, detail)
+        for reason, count in sorted(overflow.items()):
+            stats.dropped(reason, count)
+            self._overflow_warning.warn(
+                "LeaseKit: %d notification(s) dropped (%s): P's engine thread had not taken those already waiting "
+                "(a long step, a stall, or a flood from a peer)", count, reason,
+                event="notification_backlog_full", reason=reason, count=count)
         while self._issued:
             req_id, at_s, agent = self._issued.popleft()
             granted_at = recorder.grant_time(req_id)

@@ -190,3 +190,54 @@ def test_the_agent_of_a_registration_never_written_is_forgotten_when_its_lease_i
     flow._agents["live-1a2b3c4d"] = "d-agent"
     flow.granted("live-1a2b3c4d")
     assert flow._agents == {"live-1a2b3c4d": "d-agent"}
+
+
+class DropStats(Stats):
+    def __init__(self):
+        super().__init__()
+        self.drops: dict[str, int] = {}
+
+    def dropped(self, reason, count=1):
+        self.drops[reason] = self.drops.get(reason, 0) + count
+
+
+def test_a_flood_while_the_engine_thread_stalls_is_bounded_counted_and_delays_reclaim_by_at_most_e(monkeypatch):
+    import leasekit.vllm.pushflow as pushflow
+
+    monkeypatch.setattr(pushflow, "BACKLOG_MESSAGES", 8)
+    now = [100.0]
+    flow, leases, drops = make(clock=lambda: now[0])
+    flow.writer_batch({"d": [b"HB:a"]}, polled_at=99.0)
+    assert flow.reap_clock(100.0, 4.0) == 100.0 and flow.lost_at is None
+    # the engine thread takes nothing while a stranger floods: what waits stays at the bound, the rest is counted
+    flow.writer_batch({"stranger": [b"x%d" % i for i in range(20)], "d": [b"HB:b"]}, polled_at=100.0)
+    waiting = flow.take_notifications()
+    assert sum(len(m) for m in waiting.values()) == 8 and waiting["d"] == [b"HB:a"]
+    stats = DropStats()
+    flow.record(Recorder(), stats)
+    assert stats.drops == {"backlog_full": 14} and drops == []  # 21 came, room for 7
+    flow.record(Recorder(), stats)
+    assert stats.drops == {"backlog_full": 14}  # counted once
+    # a heartbeat may have been among the lost: for E after the loss, P judges silence E late
+    assert flow.lost_at == 100.0
+    assert flow.reap_clock(101.0, 4.0) == 97.0
+    assert flow.reap_clock(104.0, 4.0) == 100.0  # E after the loss: back to what the writer polled
+    # room again once the engine thread took the backlog
+    flow.writer_batch({"d": [b"HB:c"]}, polled_at=105.0)
+    assert flow.take_notifications() == {"d": [b"HB:c"]}
+
+
+def test_the_backlog_is_bounded_in_bytes_and_dropped_registrations_waiting_to_be_logged_are_bounded(monkeypatch):
+    import leasekit.vllm.pushflow as pushflow
+
+    monkeypatch.setattr(pushflow, "BACKLOG_BYTES", 100)
+    monkeypatch.setattr(pushflow, "BACKLOG_MESSAGES", 3)
+    flow, _, drops = make()
+    flow.writer_batch({"d": [b"a" * 60, b"b" * 60, b"c" * 30]}, polled_at=1.0)
+    assert flow.take_notifications() == {"d": [b"a" * 60, b"c" * 30]}
+    for i in range(5):  # registrations the writer thread refused: each a drop to log, 3 wait, 2 only counted
+        flow.writer_drop("push_reg_unknown_id", "stranger", f"cmpl-none-{i}")
+    stats = DropStats()
+    flow.record(Recorder(), stats)
+    assert len(drops) == 3 and {d[0] for d in drops} == {"push_reg_unknown_id"}
+    assert stats.drops == {"backlog_full": 1, "push_reg_unknown_id": 2}
