@@ -162,6 +162,10 @@ def _cmd_chaos_run(args: argparse.Namespace) -> int:
     if args.names and args.all:
         print("leasekit: pass scenario names or --all, not both", file=sys.stderr)
         return EXIT_USAGE
+    if args.output != "text" and not args.plan:
+        print(f"leasekit: -o/--output {args.output} formats the plan: pass it with --plan (a run writes report.json "
+              "in its run directory)", file=sys.stderr)
+        return EXIT_USAGE
     duplicates = sorted({n for n in args.names if args.names.count(n) > 1})
     if duplicates:
         print(f"leasekit: scenario(s) named twice: {', '.join(duplicates)}", file=sys.stderr)
@@ -177,6 +181,9 @@ def _cmd_chaos_run(args: argparse.Namespace) -> int:
     _, deployment, lease_duration = pairs[0]
     try:
         names = list(list_scenarios(catalog)) if args.all else args.names
+        if not names:
+            print(f"leasekit: no scenario files (*.toml) in {catalog}", file=sys.stderr)
+            return EXIT_USAGE
         scenarios = [
             find_scenario(name, catalog).with_overrides(lease_duration_s=lease_duration, tick_s=args.tick)
             for name in names

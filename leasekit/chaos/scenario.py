@@ -122,6 +122,10 @@ class Scenario(Strict):
                     raise ValueError(f"faults.{i}: a push_writer stall starts at P's next WRITE, so D must register "
                                      "while it is armed: use workload.kind = 'queued' with hold_decode_slot_s set "
                                      "after the fault's after_s (e.g. \"2H + 1.5s\")")
+                if float(w.hold_decode_slot_s) <= float(self.fault_after_s(fault)):
+                    raise ValueError(f"workload.hold_decode_slot_s: {float(w.hold_decode_slot_s):g} s must be later than "
+                                     f"faults.{i}.after_s = {float(self.fault_after_s(fault)):g} s (D registers when the "
+                                     "slot is released; the stall is armed at after_s): e.g. \"2H + 1.5s\"")
             if connector_only and "stock" in self.topology.targets and self.expect.stock != "UNKNOWN":
                 raise ValueError(f"faults.{i}: a {fault.kind} fault cannot be injected into the stock connector: "
                                  "set expect.stock = 'UNKNOWN' or drop 'stock' from topology.targets")

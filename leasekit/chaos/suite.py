@@ -256,6 +256,10 @@ class Suite:
             self.status = "error"
             self.error = f"{type(exc).__name__}: {exc}"
             self.console.print(traceback.format_exc(), markup=False, highlight=False)
+        except BaseException as exc:  # SystemExit (rich's answer to a closed stdout pipe), ...: not a finished run
+            self.status = "error"
+            self.error = f"stopped by {type(exc).__name__}: {exc}"
+            raise
         finally:
             report = self.finish()
         if show:

@@ -47,6 +47,16 @@ RESERVED_ENV = {
 }
 """Environment variables leasekit sets itself, and the fix."""
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def vllm_flag(arg: str) -> str:
+    """The option ``arg`` sets as vLLM's parser reads it (vllm ``utils/argparse_utils.py``
+    ``FlexibleArgumentParser``: ``_`` and ``-`` alike in a long option, ``--opt.key`` sets a key of ``--opt``):
+    ``"--kv_transfer_config.kv_connector=X"`` -> ``"--kv-transfer-config"``; a short option or a value as is."""
+    flag = arg.split("=", 1)[0]
+    if not flag.startswith("--"):
+        return flag
+    return "--" + flag[2:].split(".", 1)[0].replace("_", "-")
 _HF_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 VLLM_RELEASE = re.compile(r"\d+\.\d+\.\d+((a|b|rc)\d+)?(\.post\d+)?(\.dev\d+)?")
 """The form of ``vllm_release`` (whole value, ``fullmatch``: no trailing newline): a PEP 440 release as vLLM's
@@ -174,7 +184,7 @@ class RoleSpec(_Strict):
             out.append("decode.max_num_seqs: D's running slots are set by each scenario (topology.decode_max_num_seqs; "
                        "the queued workloads need 1); fix: remove it")
         for i, arg in enumerate(self.vllm_args):
-            flag = arg.split("=", 1)[0]
+            flag = vllm_flag(arg)
             if flag in RESERVED_ARGS:
                 out.append(f"{role}.vllm_args[{i}]: {arg!r} is set by leasekit; fix: {RESERVED_ARGS[flag]}")
         for key in self.env:

@@ -38,11 +38,24 @@ gauges keep their latest value."""
 def metrics_url(url: str) -> str:
     """The ``/metrics`` URL of a server given as ``host:port``, ``http://host:port[/]`` or the full
     ``.../metrics`` URL. A missing scheme means ``http``; a path other than ``/metrics`` gets
-    ``/metrics`` appended (``http://h:8000/v1`` -> ``http://h:8000/v1/metrics``)."""
+    ``/metrics`` appended (``http://h:8000/v1`` -> ``http://h:8000/v1/metrics``).
+
+    Raises:
+        ValueError: ``url`` is not a server address (empty, spaces, a scheme other than http/https, no host,
+            a bad port or IPv6 literal); the message names the URL and the accepted forms.
+    """
     text = url.strip()
     if "://" not in text:
         text = "http://" + text
-    parts = urlsplit(text)
+    accepted = "give host:port, http://host:port or its full /metrics URL"
+    try:
+        parts = urlsplit(text)
+        port = parts.port  # raises on a bad port
+    except ValueError as exc:
+        raise ValueError(f"server URL {url!r} is not valid ({exc}): {accepted}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname or any(c.isspace() for c in text):
+        raise ValueError(f"server URL {url!r} is not valid (scheme http or https, a host, no spaces): {accepted}")
+    del port
     path = parts.path.rstrip("/")
     if not path.endswith("/metrics"):
         path += "/metrics"

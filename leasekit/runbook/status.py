@@ -25,7 +25,9 @@ from leasekit.runbook.common import (
     EXIT_FAIL,
     EXIT_OK,
     EXIT_UNKNOWN,
+    EXIT_USAGE,
     console,
+    error,
     fmt_mapping,
     fmt_num,
     key_value_table,
@@ -102,6 +104,9 @@ def collect_status(urls: list[str], *, timeout_s: float = DEFAULT_TIMEOUT_S, int
         ``{"mode": "totals"|"interval", "interval_s": S|None, "verdict": str, "servers": [entry]}``
         with entries from :func:`server_entry` in argument order; ``verdict`` is CRITICAL or DEGRADED
         if any server is, else UNKNOWN if any server is not OK, else OK. Never raises for a server.
+
+    Raises:
+        ValueError: a URL that is not a server address (:func:`leasekit.runbook.promscrape.metrics_url`).
     """
     targets = [metrics_url(u) for u in urls]
     with httpx.Client(timeout=timeout_s, follow_redirects=True) as client:
@@ -196,6 +201,12 @@ def render_table(report: dict[str, Any]) -> None:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
+    for url in args.urls:
+        try:
+            metrics_url(url)
+        except ValueError as exc:
+            error(str(exc))
+            return EXIT_USAGE
     report = collect_status(args.urls, timeout_s=args.timeout, interval_s=args.interval)
     if args.output == "json":
         print_json(report)

@@ -65,3 +65,10 @@ def test_bounds_lints_the_config_edges(capsys):
     assert main(["bounds", "--lease-duration", "1", "-o", "json"]) == 0
     lint = json.loads(capsys.readouterr().out)["lint"]
     assert any("heartbeats do nothing" in f for f in lint) and any("every engine step" in f for f in lint)
+
+
+def test_output_without_plan_and_an_empty_catalog_are_usage_errors_that_start_nothing(tmp_path, capsys):
+    assert main(["chaos", "run", "kill-decode", "-o", "json", "--run-dir", str(tmp_path / "run")]) == 2
+    assert "--plan" in capsys.readouterr().err and not (tmp_path / "run").exists()
+    assert main(["chaos", "run", "--all", "--catalog", str(tmp_path), "--plan"]) == 2
+    assert f"no scenario files (*.toml) in {tmp_path}" in capsys.readouterr().err

@@ -99,6 +99,16 @@ def test_metrics_url_accepts_host_port_base_and_full_urls():
     assert metrics_url("http://h:8000/") == "http://h:8000/metrics"
     assert metrics_url("http://h:8000/metrics") == "http://h:8000/metrics"
     assert metrics_url("https://h/metrics/") == "https://h/metrics"
+    assert metrics_url("[::1]:8000") == "http://[::1]:8000/metrics"
+
+
+@pytest.mark.parametrize("url", ["http://[::1", "", "   ", "not a url at all", "ftp://h:1", "h:99999", "http://:80"])
+def test_a_url_that_is_no_server_address_is_a_usage_error_naming_it(url, capsys):
+    with pytest.raises(ValueError, match="server URL"):
+        metrics_url(url)
+    assert run_cli(["status", url]) == 2
+    err = capsys.readouterr().err
+    assert "server URL" in err and "host:port" in err and "Traceback" not in err
 
 
 def test_ok_server_reports_config_totals_and_exit_0(servers, capsys):

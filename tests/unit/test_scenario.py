@@ -199,6 +199,8 @@ def test_a_push_writer_stall_needs_p_push_mode_and_no_stock_expectation(tmp_path
         load_scenario(write(tmp_path, WRITER_STALL.replace('hold_decode_slot_s = "2H + 1.5s"', '')))
     with pytest.raises(ScenarioError, match="must be the scenario's only fault"):
         load_scenario(write(tmp_path, WRITER_STALL + '[[faults]]\nkind = "heartbeats"\ndrop_next = 1\n'))
+    with pytest.raises(ScenarioError, match=r"hold_decode_slot_s: 1 s must be later than faults.0.after_s = 2.5 s"):
+        load_scenario(write(tmp_path, WRITER_STALL.replace('hold_decode_slot_s = "2H + 1.5s"', 'hold_decode_slot_s = 1')))
 
 
 def test_the_stock_target_of_a_push_writer_stall_is_unknown_with_the_reason():

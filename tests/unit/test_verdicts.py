@@ -1,5 +1,7 @@
 """Expected verdicts, the overall verdict and the JUnit outcome (pure logic, no pair)."""
 
+import json
+
 import pytest
 
 from leasekit.chaos.checks import CheckResult
@@ -45,3 +47,19 @@ def test_overall_verdict(tmp_path, results, status, overall):
     suite = Suite([], tmp_path)
     suite.results, suite.status = results, status
     assert suite.overall() == overall
+
+
+def test_a_run_stopped_by_system_exit_reports_error_not_completed(tmp_path):
+    """A closed stdout pipe makes rich raise SystemExit in the middle of a run: the report must not say completed."""
+    from leasekit.chaos.scenario import find_scenario
+
+    suite = Suite([(find_scenario("kill-decode"), "leasekit")], tmp_path)
+
+    def stopped(scenario, target):
+        raise SystemExit(1)
+
+    suite.run_one = stopped
+    with pytest.raises(SystemExit):
+        suite.execute(show=False)
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["status"] == "error" and "SystemExit" in report["error"] and report["verdict"] != "PASS"
