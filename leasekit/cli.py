@@ -91,9 +91,10 @@ def _cmd_chaos_list(args: argparse.Namespace) -> int:
                          "description": s.description, "path": str(path)})
         except ScenarioError as exc:
             rows.append({"name": name, "path": str(path), "error": str(exc)})
+    invalid = EXIT_USAGE if any("error" in row for row in rows) else EXIT_OK  # a catalog check for CI
     if args.output == "json":
         print(json.dumps(rows, indent=2))
-        return EXIT_OK
+        return invalid
     table = Table(title=f"scenarios in {args.catalog or catalog_dir()}")
     for column in ("name", "incident", "L (s)", "mode", "targets"):  # never cut: names are what you type next
         table.add_column(column, no_wrap=True)
@@ -110,7 +111,7 @@ def _cmd_chaos_list(args: argparse.Namespace) -> int:
     if not console.is_terminal:  # a pipe or file: rich would assume 80 columns
         console = Console(width=200)
     console.print(table)
-    return EXIT_OK
+    return invalid
 
 
 def _load_pairs(args: argparse.Namespace) -> list[tuple]:
@@ -194,9 +195,11 @@ def _cmd_chaos_run(args: argparse.Namespace) -> int:
     if len({s.name for s in scenarios}) != len(scenarios):
         print("leasekit: two scenarios have the same name", file=sys.stderr)
         return EXIT_USAGE
-    if args.lease_duration is not None:
+    if lease_duration is not None:  # --lease-duration, or the pair file's lease_duration_s
+        source = f"--lease-duration {args.lease_duration:g}" if args.lease_duration is not None else \
+            f"the pair file's lease_duration_s = {lease_duration:g}"
         for finding in lint_timing(scenarios[0].lease.timing()):
-            print(f"leasekit: warning: --lease-duration {args.lease_duration:g}: {finding}", file=sys.stderr)
+            print(f"leasekit: warning: {source}: {finding}", file=sys.stderr)
         t = scenarios[0].lease.timing()
         print(f"leasekit: lease-relative scenario times resolved at L = {t.lease_duration_s:g} s (H = "
               f"{t.heartbeat_interval_s:g} s, E = {t.extension_s:g} s); times written as plain numbers stay seconds",

@@ -129,8 +129,13 @@ def _positive_int(text: str) -> int:
 
 
 def _runbook_url(text: str) -> str:
-    if not text or "#" in text:
-        raise argparse.ArgumentTypeError(f"expected the runbook page URL without an #anchor, got {text!r}")
+    """``--runbook-url``: an absolute http(s) URL of the runbook page, without an ``#anchor`` (alerts add one).
+
+    Raises:
+        argparse.ArgumentTypeError: anything else (the message names the expected form)."""
+    if not text or "#" in text or not text.startswith(("http://", "https://")) or any(c.isspace() for c in text):
+        raise argparse.ArgumentTypeError(f"expected the runbook page's http(s) URL without an #anchor "
+                                         f"(e.g. https://git.example/leasekit/docs/runbook.md), got {text!r}")
     return text
 
 

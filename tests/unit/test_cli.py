@@ -72,3 +72,32 @@ def test_output_without_plan_and_an_empty_catalog_are_usage_errors_that_start_no
     assert "--plan" in capsys.readouterr().err and not (tmp_path / "run").exists()
     assert main(["chaos", "run", "--all", "--catalog", str(tmp_path), "--plan"]) == 2
     assert f"no scenario files (*.toml) in {tmp_path}" in capsys.readouterr().err
+
+
+def test_chaos_list_exits_2_when_a_catalog_file_is_invalid(tmp_path, capsys):
+    import shutil
+
+    from leasekit.chaos.scenario import catalog_dir
+
+    shutil.copy(catalog_dir() / "kill-decode.toml", tmp_path / "kill-decode.toml")
+    assert main(["chaos", "list", "--catalog", str(tmp_path), "-o", "json"]) == 0
+    capsys.readouterr()
+    (tmp_path / "broken.toml").write_text('name = "broken"\n[lease]\nduration_s = -1\n')
+    assert main(["chaos", "list", "--catalog", str(tmp_path), "-o", "json"]) == 2
+    rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)}
+    assert "error" in rows["broken"] and "error" not in rows["kill-decode"]
+
+
+def test_a_pair_files_short_lease_is_linted_like_lease_duration(tmp_path, capsys):
+    pair = tmp_path / "pair.toml"
+    pair.write_text("lease_duration_s = 3\n[prefill]\n[decode]\n")
+    assert main(["chaos", "run", "kill-decode", "--pair", str(pair), "--plan", "--run-dir", str(tmp_path / "r")]) == 0
+    err = capsys.readouterr().err
+    assert "warning: the pair file's lease_duration_s = 3" in err and "resolved at L = 3 s" in err
+
+
+@pytest.mark.parametrize("url", ["not a url", "ftp://x/runbook.md", "https://x/runbook.md#a", ""])
+def test_dashboards_build_refuses_a_runbook_url_that_is_no_http_page(url, tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["dashboards", "build", "--out", str(tmp_path), "--runbook-url", url])
+    assert info.value.code == 2 and "http(s) URL" in capsys.readouterr().err
