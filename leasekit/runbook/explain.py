@@ -52,7 +52,8 @@ def explain(request_id: str, run_dir: str, *, tick_s: float | None = None) -> tu
     where = search.describe()
     searched = (f"searched {where['lease_spans']} lease span(s) ({where['spans']} spans, {where['files']} file(s)) "
                 f"in {len(search.span_dirs)} span dir(s) under {run_dir}"
-                + (": " + ", ".join(where["span_dirs"]) if search.span_dirs else ""))
+                + (": " + ", ".join(where["span_dirs"]) if search.span_dirs else "")
+                + (f"; {where['bad_lines']} unreadable line(s) skipped (corrupt span files)" if where["bad_lines"] else ""))
     match = match_request(search.spans, request_id)
     if match.request_id is None:
         if match.candidates:
@@ -146,6 +147,9 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         error(f"run dir {run_dir} is not a directory; pass --run-dir or set LEASEKIT_RUN_DIR")
         return EXIT_USAGE
     code, report, message = explain(args.request_id, run_dir, tick_s=args.tick)
+    if report is not None and report["searched"].get("bad_lines"):
+        error(f"warning: {report['searched']['bad_lines']} unreadable span line(s) skipped under {run_dir} "
+              "(corrupt span files): the timeline may miss spans")
     if report is None:
         error(message)
         return code

@@ -196,6 +196,17 @@ def test_torn_last_line_is_skipped_and_counted(tmp_path, capsys):
     assert code == 0 and report["searched"]["incomplete_tails"] == 1 and len(report["leases"]) == 1
 
 
+def test_corrupt_span_lines_are_skipped_and_said(tmp_path, capsys):
+    expired(tmp_path, "req-1")
+    (tmp_path / "spans" / "junk.jsonl").write_text("not json\n{\"resourceSpans\": 3}\n")
+    assert run_cli(["explain", "req-1", "--run-dir", str(tmp_path), "-o", "json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["searched"]["bad_lines"] >= 1
+    assert "unreadable span line(s) skipped" in captured.err
+    assert run_cli(["explain", "nope", "--run-dir", str(tmp_path)]) == 1
+    assert "unreadable line(s) skipped (corrupt span files)" in capsys.readouterr().err
+
+
 def test_missing_run_dir_is_a_usage_error(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("LEASEKIT_RUN_DIR", raising=False)
