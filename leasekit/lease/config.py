@@ -211,6 +211,41 @@ def _extra_seconds(doc: Mapping, name: str) -> object:
     return doc.get(_EXTRA, {}).get(name, _SECONDS_FIELDS[name][0])
 
 
+STOCK_CONNECTORS = ("NixlConnector", "NixlPushConnector")
+"""vLLM's NIXL connectors (pull and push), whose lease leasekit observes."""
+LEASEKIT_CONNECTORS = ("LeaseKitConnector", "LeaseKitPushConnector")
+"""LeaseKit's connectors, loaded from :data:`CONNECTOR_MODULE`."""
+CONNECTOR_MODULE = "leasekit.vllm.connector"
+"""The ``kv_connector_module_path`` vLLM imports LeaseKit's connectors from."""
+
+
+def _connector_findings(doc: dict) -> list[LintFinding]:
+    """``kv_connector`` and ``kv_connector_module_path``: a connector that is not a NIXL one (warning: no lease),
+    a LeaseKit connector vLLM cannot load (no or another module path: error), ``leasekit_*`` keys that a stock
+    connector ignores (warning). vLLM loads a connector named in ``kv_connector_module_path`` by importing it
+    (vllm 0.32.0 ``distributed/kv_transfer/kv_connector/factory.py``)."""
+    name, module = doc.get("kv_connector"), doc.get("kv_connector_module_path")
+    known = STOCK_CONNECTORS + LEASEKIT_CONNECTORS
+    findings = []
+    if name is not None and name not in known:  # absent: a partial config, linted for its lease only
+        findings.append(LintFinding("kv_connector", "warning", f"kv_connector={name!r} is not a NIXL connector: "
+                                    "it has no KV lease, so nothing here applies", f"one of {', '.join(known)}"))
+    elif name in LEASEKIT_CONNECTORS and module != CONNECTOR_MODULE:
+        what = "is missing" if module is None else f"is {module!r}"
+        findings.append(LintFinding("kv_connector_module_path", "error",
+                                    f"kv_connector_module_path {what}: vLLM cannot load {name} (it is not built in)",
+                                    f'"kv_connector_module_path": "{CONNECTOR_MODULE}"'))
+    extra = doc.get(_EXTRA)
+    if name in STOCK_CONNECTORS and isinstance(extra, dict):
+        ignored = sorted(k for k in extra if isinstance(k, str) and k.startswith("leasekit_"))
+        if ignored:
+            findings.append(LintFinding(f"{_EXTRA}.{ignored[0]}", "warning",
+                                        f"{', '.join(ignored)} set on vLLM's {name}, which ignores them",
+                                        f'use "kv_connector": "LeaseKit{name.removeprefix("Nixl")}" with '
+                                        f'"kv_connector_module_path": "{CONNECTOR_MODULE}", or remove them'))
+    return findings
+
+
 def _lint(config: object) -> list[LintFinding]:
     doc, stop = _load(config)
     if stop is not None:
@@ -242,6 +277,7 @@ def _lint(config: object) -> list[LintFinding]:
             f"{_EXTRA}.decoder_kv_blocks_ttl", "warning",
             f"decoder_kv_blocks_ttl={ttl!r} <= P's {_TURN2_MARGIN_S} s safety margin: with "
             "bidirectional_kv_xfer P declines every turn-2 read", f"set it well above {_TURN2_MARGIN_S}, e.g. 480"))
+    findings += _connector_findings(doc)
     extra = doc.get(_EXTRA, {})
     findings += _misspelt_keys(extra)
     findings += [LintFinding(f, sev, msg, fix) for f, sev, msg, fix in
@@ -269,12 +305,13 @@ def lint_kv_transfer_config(config: str | Mapping) -> list[LintFinding]:
     the 5 s turn-2 margin (``nixl/pull_worker.py``, warning); LeaseKitConnector's ``leasekit_*`` keys
     (:func:`leasekit.lease.settings.lint_leasekit_keys`: out of range as the connector refuses it at start,
     unknown, or set on a role that ignores it); on D, a ``kv_load_failure_policy`` other than
-    ``recompute`` (warning: a read the fail-closed gate discards then fails the request). Missing values
-    take vLLM's defaults.
+    ``recompute`` (warning: a read the fail-closed gate discards then fails the request); the connector
+    (:func:`_connector_findings`: not a NIXL one, a LeaseKit one vLLM cannot load, ``leasekit_*`` keys on a stock
+    one). Missing values take vLLM's defaults.
 
     Returns:
-        The findings (document, ``kv_role``, lease duration, TTL, ``leasekit_*`` keys, failure policy, in
-        that order); [] when clean.
+        The findings (document, ``kv_role``, lease duration, TTL, connector, ``leasekit_*`` keys, failure policy,
+        in that order); [] when clean.
     """
     try:
         return _lint(config)

@@ -7,7 +7,7 @@ does not import vLLM; ``leasekit.vllm.connector`` does (and checks the release f
 
 from leasekit.vllm.version import SUPPORTED_VLLM_RELEASES, UnsupportedVllmError, check_vllm_release
 
-CONNECTOR_MODULE_PATH = "leasekit.vllm.connector"
+from leasekit.lease.config import CONNECTOR_MODULE as CONNECTOR_MODULE_PATH  # noqa: E402 - one definition
 CONNECTOR_NAME = "LeaseKitConnector"
 STOCK_CONNECTOR_NAME = "NixlConnector"
 PUSH_CONNECTOR_NAME = "LeaseKitPushConnector"

@@ -263,7 +263,7 @@ def test_findings_come_in_a_fixed_order():
 
 
 def _leasekit(role="kv_producer", policy=None, **extra):
-    doc = {"kv_connector": "LeaseKitConnector", "kv_role": role, "kv_connector_extra_config": {"kv_lease_duration": 6, **extra}}
+    doc = {"kv_connector": "LeaseKitConnector", "kv_connector_module_path": "leasekit.vllm.connector", "kv_role": role, "kv_connector_extra_config": {"kv_lease_duration": 6, **extra}}
     if policy:
         doc["kv_load_failure_policy"] = policy
     return json.dumps(doc)
@@ -297,3 +297,20 @@ def test_a_leasekit_d_without_recompute_is_warned_a_stock_d_is_not():
     assert finding.field == "kv_load_failure_policy" and finding.severity == "warning"
     assert "recompute" in finding.fix
     assert lint_kv_transfer_config(_cfg("kv_consumer")) == []
+
+
+def test_a_connector_vllm_cannot_load_or_that_ignores_the_leasekit_keys_is_named():
+    def fields(doc):
+        return [(f.field, f.severity) for f in lint_kv_transfer_config(doc)]
+
+    base = {"kv_role": "kv_producer", "kv_connector_extra_config": {"kv_lease_duration": 30}}
+    assert fields({**base, "kv_connector": "LeaseKitConnector"}) == [("kv_connector_module_path", "error")]
+    assert fields({**base, "kv_connector": "LeaseKitPushConnector",
+                   "kv_connector_module_path": "leasekit.vllm.connectr"}) == [("kv_connector_module_path", "error")]
+    assert fields({**base, "kv_connector": "LeaseKitConnector", "kv_connector_module_path": "leasekit.vllm.connector"}) == []
+    assert fields({**base, "kv_connector": "FooConnector"}) == [("kv_connector", "warning")]
+    stock = {"kv_role": "kv_producer", "kv_connector": "NixlConnector",
+             "kv_connector_extra_config": {"kv_lease_duration": 30, "leasekit_pledge_s": 1}}
+    (finding,) = lint_kv_transfer_config(stock)
+    assert finding.field == "kv_connector_extra_config.leasekit_pledge_s" and finding.severity == "warning"
+    assert "LeaseKitConnector" in finding.fix and "ignores" in finding.message

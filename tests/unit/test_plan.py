@@ -193,8 +193,10 @@ def test_chaos_list_prints_brackets_as_written(tmp_path):
                                             'incident = "K08"\n[[faults]]\nkind = "none"\n[expect]\nchecks = ["liveness"]\n')
     (tmp_path / "Bad_Name.toml").write_text('name = "Bad_Name"\ndescription = "d"\nincident = "K08"\n[[faults]]\nkind = "none"\n'
                                             '[expect]\nchecks = ["liveness"]\n')
-    listed = subprocess.run([sys.executable, "-m", "leasekit.cli", "chaos", "list", "--catalog", str(tmp_path)],
-                            capture_output=True, text=True, check=True).stdout
+    done = subprocess.run([sys.executable, "-m", "leasekit.cli", "chaos", "list", "--catalog", str(tmp_path)],
+                          capture_output=True, text=True)
+    assert done.returncode == 2, done.stderr  # Bad_Name is invalid: listed, and the exit says so
+    listed = done.stdout
     assert "Set [lease] duration_s, not [bold]x[/bold]" in listed
     assert "[a-z0-9]" in listed  # the name pattern in Bad_Name's error
 
