@@ -9,7 +9,9 @@ so :meth:`Scenario.with_overrides` resolves them again at an overridden ``L``.
 
 from __future__ import annotations
 
+import difflib
 import os
+import re
 from pathlib import Path
 
 from pydantic import BaseModel, Field, PrivateAttr, ValidationError, model_validator
@@ -214,6 +216,35 @@ def _allowed_range(loc: tuple) -> str | None:
     return f"{low}value{high}" if low or high else None
 
 
+_NAMES_ITS_FIELD = re.compile(r"^[a-z_]+(\.[\w\[\]]+)*: ")
+
+
+def _known_keys(loc: tuple) -> list[str]:
+    """The keys the section holding the key at ``loc`` accepts (the scenario's top level for a 1-part loc)."""
+    model: type[BaseModel] | None = Scenario
+    union: list[type[BaseModel]] = []
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        if model is None:  # a fault union: pydantic puts the kind in the path (faults.0.kill.signl)
+            model = next((m for m in union
+                          if getattr(getattr(m.model_fields.get("kind"), "annotation", None), "__args__", ()) == (part,)), None)
+            union = []
+            continue
+        info = model.model_fields.get(str(part))
+        if info is None:
+            return []
+        annotation = info.annotation
+        kinds, stack = [], [annotation]
+        while stack:  # list[Annotated[KillFault | StallFault | ..., discriminator]]: every type inside
+            kind = stack.pop()
+            kinds.append(kind)
+            stack.extend(getattr(kind, "__args__", ()))
+        models = [c for c in kinds if isinstance(c, type) and issubclass(c, BaseModel)]
+        model, union = (models[0], []) if len(models) == 1 else (None, models)
+    return sorted(model.model_fields) if model is not None else []
+
+
 def _format_error(exc: ValidationError, source: str) -> str:
     lines = [f"invalid scenario {source}:"]
     for err in exc.errors():
@@ -221,6 +252,17 @@ def _format_error(exc: ValidationError, source: str) -> str:
         message = err["msg"]
         if err["type"] == "value_error" and err.get("ctx", {}).get("error") is not None:
             message = str(err["ctx"]["error"])  # our own message, without pydantic's "Value error, "
+            if not err["loc"] and _NAMES_ITS_FIELD.match(message):  # a cross-field rule that names its field
+                lines.append(f"  {message}")
+                continue
+        if err["type"] == "extra_forbidden":
+            known = _known_keys(tuple(err["loc"]))
+            close = difflib.get_close_matches(str(err["loc"][-1]), known, n=1)
+            message += "; fix: remove it or check the spelling" + (f" (did you mean {close[0]!r}?)" if close else "")
+        if err["type"] == "union_tag_not_found" or err["type"] == "union_tag_invalid":
+            kinds = [m.model_fields["kind"].annotation.__args__[0] for m in (NoFault, KillFault, StallFault, HeartbeatFault,
+                                                                             PartitionFault)]
+            message += f"; fix: set kind to one of the fault kinds ({', '.join(kinds)})"
         if err["type"] != "missing" and not isinstance(err.get("input"), (dict, list)):
             message += f" (got {err.get('input')!r})"
         allowed = _allowed_range(tuple(err["loc"]))

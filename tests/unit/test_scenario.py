@@ -210,3 +210,18 @@ def test_the_stock_target_of_a_push_writer_stall_is_unknown_with_the_reason():
     assert "push writer stall needs LeaseKit's connector on prefill" in not_injectable(
         fault, {"prefill": "stock", "decode": "stock"})
     assert not_injectable(fault, {"prefill": "leasekit", "decode": "leasekit"}) is None
+
+
+def test_errors_name_the_field_suggest_the_spelling_and_list_the_fault_kinds(tmp_path):
+    with pytest.raises(ScenarioError) as info:
+        load_scenario(write(tmp_path, GOOD + "[lease]\nduraton_s = 6\n"))
+    assert "lease.duraton_s: Extra inputs are not permitted; fix: remove it or check the spelling (did you mean 'duration_s'?)" in str(info.value)
+    with pytest.raises(ScenarioError) as info:
+        load_scenario(write(tmp_path, WRITER_STALL.replace('method = "push_writer"', 'method = "push_writer"\nmethd = 1')))
+    assert "faults.0.stall.methd" in str(info.value) and "did you mean 'method'?" in str(info.value)
+    with pytest.raises(ScenarioError) as info:
+        load_scenario(write(tmp_path, WRITER_STALL.replace('kind = "stall"\n', '')))
+    assert "none, kill, stall, heartbeats, partition" in str(info.value)
+    with pytest.raises(ScenarioError) as info:  # a cross-field rule that names its field is shown under it
+        load_scenario(write(tmp_path, WRITER_STALL.replace('hold_decode_slot_s = "2H + 1.5s"', 'hold_decode_slot_s = 1')))
+    assert "\n  workload.hold_decode_slot_s: 1 s must be later" in str(info.value) and "(top level)" not in str(info.value)
