@@ -118,12 +118,39 @@ class Scrape:
     at_s: float = 0.0
 
 
+MAX_METRICS_BYTES = 16 << 20
+"""The largest ``/metrics`` body read (a vLLM server's is well under 1 MiB); a larger one is an error."""
+
+
+class _TooSlowOrLarge(Exception):
+    """A ``/metrics`` answer that took longer than the timeout in all, or is larger than :data:`MAX_METRICS_BYTES`."""
+
+
+def _get_bounded(client: httpx.Client, url: str, timeout_s: float) -> tuple[int, str, bytes]:
+    """``(status, reason, body)`` of GET ``url``, the whole answer within ``timeout_s`` seconds and at most
+    :data:`MAX_METRICS_BYTES` (a server trickling bytes cannot hold ``leasekit status`` past its timeout).
+
+    Raises:
+        httpx.HTTPError: transport errors; _TooSlowOrLarge: past the deadline or the size."""
+    deadline = time.monotonic() + timeout_s
+    with client.stream("GET", url, timeout=timeout_s) as response:
+        chunks, size = [], 0
+        for chunk in response.iter_bytes():
+            size += len(chunk)
+            if size > MAX_METRICS_BYTES:
+                raise _TooSlowOrLarge(f"body larger than {MAX_METRICS_BYTES} bytes")
+            if time.monotonic() > deadline:
+                raise _TooSlowOrLarge(f"the answer took more than {timeout_s:g} s")
+            chunks.append(chunk)
+        return response.status_code, response.reason_phrase, b"".join(chunks)
+
+
 def scrape(url: str, *, timeout_s: float, client: httpx.Client | None = None) -> Scrape:
     """GET ``url`` (already a ``/metrics`` URL, see :func:`metrics_url`) and parse it; never raises.
 
     Args:
         url: the URL to fetch.
-        timeout_s: httpx timeout (connect, read, write, pool) in seconds.
+        timeout_s: seconds for the whole answer (and httpx's connect, read, write, pool timeout).
         client: an httpx client to reuse; a fresh one is made (and closed) otherwise.
 
     Returns:
@@ -134,16 +161,15 @@ def scrape(url: str, *, timeout_s: float, client: httpx.Client | None = None) ->
     client = client or httpx.Client(timeout=timeout_s, follow_redirects=True)
     try:
         try:
-            response = client.get(url, timeout=timeout_s)
-        except (httpx.HTTPError, httpx.InvalidURL) as exc:
+            status, reason, body = _get_bounded(client, url, timeout_s)
+        except (httpx.HTTPError, httpx.InvalidURL, _TooSlowOrLarge) as exc:
             detail = str(exc) or "no detail"
             return Scrape(url, error=f"could not scrape {url}: {type(exc).__name__}: {detail}", at_s=time.monotonic())
         at = time.monotonic()
-        if not response.is_success:
-            return Scrape(url, error=f"could not scrape {url}: HTTP {response.status_code} {response.reason_phrase}",
-                          at_s=at)
+        if not 200 <= status < 300:
+            return Scrape(url, error=f"could not scrape {url}: HTTP {status} {reason}", at_s=at)
         try:
-            samples, families = parse_exposition(response.text)
+            samples, families = parse_exposition(body.decode("utf-8", errors="replace"))
             return Scrape(url, samples=samples, families=families, at_s=at)
         except (ValueError, IndexError, TypeError) as exc:
             return Scrape(url, error=f"{url} answered but not with Prometheus text: {exc}", parse_error=True, at_s=at)

@@ -96,7 +96,7 @@ def collect_status(urls: list[str], *, timeout_s: float = DEFAULT_TIMEOUT_S, int
 
     Args:
         urls: servers as accepted by :func:`leasekit.runbook.promscrape.metrics_url`.
-        timeout_s: per-request timeout in seconds.
+        timeout_s: seconds for each scrape's whole answer (at most :data:`leasekit.runbook.promscrape.MAX_METRICS_BYTES`).
         interval_s: None for one scrape (totals), else seconds between the two scrapes (> 0).
         sleep: the sleep function (tests may pass a fake).
 
@@ -228,7 +228,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("urls", nargs="+", metavar="URL", help="server URL, with or without /metrics (host:port works)")
     p.add_argument("-o", "--output", choices=("table", "json"), default="table")
     p.add_argument("--timeout", type=seconds_type(0, 300), default=DEFAULT_TIMEOUT_S, metavar="S",
-                   help=f"seconds per scrape (default {DEFAULT_TIMEOUT_S:g})")
+                   help=f"seconds for each scrape's whole answer (default {DEFAULT_TIMEOUT_S:g}; bodies over 16 MiB are refused)")
     p.add_argument("--interval", type=seconds_type(0, 3600), default=None, metavar="S",
                    help="scrape twice, S seconds apart, and report increases and rates (default: one scrape, totals)")
     p.set_defaults(func=_cmd_status)

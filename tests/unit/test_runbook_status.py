@@ -374,3 +374,40 @@ def test_listener_unknown_when_not_exported(servers, capsys):
     assert run_cli(["status", d.url, "-o", "json"]) == 0
     (s,) = json.loads(capsys.readouterr().out)["servers"]
     assert s["listener"] == {"up": None, "down_engines": []} and s["verdict"] == "OK"
+
+
+def test_a_trickling_or_huge_metrics_answer_is_an_error_within_the_timeout(monkeypatch):
+    import http.server
+    import time
+    import threading
+
+    import leasekit.runbook.promscrape as promscrape
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain")
+            self.end_headers()
+            if self.path.startswith("/slow"):
+                for _ in range(40):  # 8 s of trickle, one line every 0.2 s
+                    self.wfile.write(b"# HELP x y\n")
+                    self.wfile.flush()
+                    time.sleep(0.2)
+            else:
+                self.wfile.write(b"# HELP x y\n" * 500)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{server.server_port}"
+        started = time.monotonic()
+        slow = promscrape.scrape(base + "/slow/metrics", timeout_s=1.0)
+        assert slow.error and "took more than 1 s" in slow.error and time.monotonic() - started < 3
+        monkeypatch.setattr(promscrape, "MAX_METRICS_BYTES", 1000)
+        huge = promscrape.scrape(base + "/metrics", timeout_s=5.0)
+        assert huge.error and "larger than 1000 bytes" in huge.error
+    finally:
+        server.shutdown()
