@@ -310,7 +310,14 @@ class QueuedDecodeLoad:
                 f"D never reported {waiting} waiting requests within {timeout_s:.0f} s "
                 f"(waiting={self._gauge('vllm:num_requests_waiting')}, running={self._gauge('vllm:num_requests_running')} "
                 f"with {self.held_slots} held); does D run --max-num-seqs = topology.decode_max_num_seqs = {self.decode_slots}?"
+                f" {self._answered()}"
             )
+
+    def _answered(self) -> str:
+        """The routed decodes that already answered (HTTP status and error): why one may be missing from D's queue."""
+        with self._lock:
+            done = {i: f"HTTP {d.status}{' ' + str(d.error)[:120] if d.error else ''}" for i, d in sorted(self.decodes.items())}
+        return f"Decodes answered so far: {done or 'none'}; routed: {sum(1 for t in self._threads if t.name.startswith('decode-'))}."
 
     def _decode(self, index: int, prompt: list[int], prefill: PrefillResult, timeout_s: float | None) -> None:
         assert self.pair.router is not None
