@@ -50,12 +50,11 @@ def metrics_url(url: str) -> str:
     accepted = "give host:port, http://host:port or its full /metrics URL"
     try:
         parts = urlsplit(text)
-        port = parts.port  # raises on a bad port
+        parts.port  # noqa: B018 - reading it raises ValueError on a bad port
     except ValueError as exc:
         raise ValueError(f"server URL {url!r} is not valid ({exc}): {accepted}") from None
     if parts.scheme not in ("http", "https") or not parts.hostname or any(c.isspace() for c in text):
         raise ValueError(f"server URL {url!r} is not valid (scheme http or https, a host, no spaces): {accepted}")
-    del port
     path = parts.path.rstrip("/")
     if not path.endswith("/metrics"):
         path += "/metrics"
