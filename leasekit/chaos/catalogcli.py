@@ -15,7 +15,7 @@ from rich.text import Text
 
 from leasekit.chaos.scenario import CATALOG_ENV, ScenarioError, catalog_dir, list_scenarios, load_scenario
 
-EXIT_OK, EXIT_USAGE = 0, 2
+EXIT_OK, EXIT_USAGE = 0, 2  # leasekit.cli's codes (leasekit.runbook is a layer above: not imported)
 
 
 def catalog_problem(catalog: str | Path | None) -> str | None:

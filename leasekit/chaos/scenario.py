@@ -13,6 +13,7 @@ import difflib
 import os
 import re
 from pathlib import Path
+from typing import get_args
 
 from pydantic import BaseModel, Field, PrivateAttr, ValidationError, model_validator
 
@@ -219,6 +220,12 @@ def _allowed_range(loc: tuple) -> str | None:
 _NAMES_ITS_FIELD = re.compile(r"^[a-z_]+(\.[\w\[\]]+)*: ")
 
 
+def _fault_kind(model: type[BaseModel]) -> str | None:
+    """The ``kind`` literal of a fault section model (``KillFault`` -> ``"kill"``), or None."""
+    args = getattr(getattr(model.model_fields.get("kind"), "annotation", None), "__args__", ())
+    return args[0] if len(args) == 1 else None
+
+
 def _known_keys(loc: tuple) -> list[str]:
     """The keys the section holding the key at ``loc`` accepts (the scenario's top level for a 1-part loc)."""
     model: type[BaseModel] | None = Scenario
@@ -227,8 +234,7 @@ def _known_keys(loc: tuple) -> list[str]:
         if isinstance(part, int):
             continue
         if model is None:  # a fault union: pydantic puts the kind in the path (faults.0.kill.signl)
-            model = next((m for m in union
-                          if getattr(getattr(m.model_fields.get("kind"), "annotation", None), "__args__", ()) == (part,)), None)
+            model = next((m for m in union if _fault_kind(m) == part), None)
             union = []
             continue
         info = model.model_fields.get(str(part))
@@ -260,8 +266,7 @@ def _format_error(exc: ValidationError, source: str) -> str:
             close = difflib.get_close_matches(str(err["loc"][-1]), known, n=1)
             message += "; fix: remove it or check the spelling" + (f" (did you mean {close[0]!r}?)" if close else "")
         if err["type"] == "union_tag_not_found" or err["type"] == "union_tag_invalid":
-            kinds = [m.model_fields["kind"].annotation.__args__[0] for m in (NoFault, KillFault, StallFault, HeartbeatFault,
-                                                                             PartitionFault)]
+            kinds = [_fault_kind(m) for m in get_args(get_args(Fault)[0])]  # Annotated[Union[...], discriminator]
             message += f"; fix: set kind to one of the fault kinds ({', '.join(kinds)})"
         if err["type"] != "missing" and not isinstance(err.get("input"), (dict, list)):
             message += f" (got {err.get('input')!r})"

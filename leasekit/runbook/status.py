@@ -201,13 +201,11 @@ def render_table(report: dict[str, Any]) -> None:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    for url in args.urls:
-        try:
-            metrics_url(url)
-        except ValueError as exc:
-            error(str(exc))
-            return EXIT_USAGE
-    report = collect_status(args.urls, timeout_s=args.timeout, interval_s=args.interval)
+    try:
+        report = collect_status(args.urls, timeout_s=args.timeout, interval_s=args.interval)
+    except ValueError as exc:  # a URL that is no server address: checked before any scrape
+        error(str(exc))
+        return EXIT_USAGE
     if args.output == "json":
         print_json(report)
     else:

@@ -221,7 +221,7 @@ def test_errors_name_the_field_suggest_the_spelling_and_list_the_fault_kinds(tmp
     assert "faults.0.stall.methd" in str(info.value) and "did you mean 'method'?" in str(info.value)
     with pytest.raises(ScenarioError) as info:
         load_scenario(write(tmp_path, WRITER_STALL.replace('kind = "stall"\n', '')))
-    assert "none, kill, stall, heartbeats, partition" in str(info.value)
+    assert "kill, stall, heartbeats, partition, none" in str(info.value)
     with pytest.raises(ScenarioError) as info:  # a cross-field rule that names its field is shown under it
         load_scenario(write(tmp_path, WRITER_STALL.replace('hold_decode_slot_s = "2H + 1.5s"', 'hold_decode_slot_s = 1')))
     assert "\n  workload.hold_decode_slot_s: 1 s must be later" in str(info.value) and "(top level)" not in str(info.value)
