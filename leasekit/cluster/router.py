@@ -81,7 +81,8 @@ class RoutedResult:
 
 
 class Router:
-    """Routes requests P -> D over HTTP; thread-safe (one shared ``httpx.Client``).
+    """Routes requests P -> D over HTTP; thread-safe (one shared ``httpx.Client``, a new connection
+    per request).
 
     Args:
         prefill_url / decode_url: server base URLs.
@@ -91,7 +92,11 @@ class Router:
     def __init__(self, prefill_url: str, decode_url: str, timeout_s: float = 300.0):
         self.prefill_url = prefill_url
         self.decode_url = decode_url
-        self._client = httpx.Client(timeout=timeout_s, limits=httpx.Limits(max_connections=256))
+        # one connection per request, never an idle one reused: vLLM's API server closes a connection
+        # idle for VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s, vllm/envs.py), httpx keeps one for 5 s, and a
+        # request sent on a connection the server is closing at that moment is lost unread
+        # ("Server disconnected without sending a response"): D never sees that decode
+        self._client = httpx.Client(timeout=timeout_s, limits=httpx.Limits(max_connections=256, max_keepalive_connections=0))
 
     def close(self) -> None:
         """Close the HTTP client."""

@@ -104,3 +104,44 @@ def test_push_scenarios_refuse_fail_closed_and_external_pairs_refuse_push():
     external = ExternalPair("http://127.0.0.1:1", "http://127.0.0.1:2", "/nonexistent", target="stock", lease_duration_s=6)
     spec = PairSpec(prefill_connector="stock", decode_connector="stock", transfer_mode="push", lease_duration_s=6)
     assert "push mode" in external.matches(spec)
+
+
+def test_router_never_reuses_an_idle_connection():
+    """vLLM closes idle connections after 5 s, as long as httpx keeps them: a reused one can be lost
+    unread, so every routed request opens its own connection (here: two decodes, two connections)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    connections: list[int] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive unless the client closes
+
+        def setup(self) -> None:
+            connections.append(1)
+            super().setup()
+
+        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            answer = json.dumps({"choices": [{"token_ids": [1] * body["max_tokens"]}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    router = Router(url, url, timeout_s=10.0)
+    try:
+        results = [router.decode([1, 2], None, 2) for _ in range(2)]
+    finally:
+        router.close()
+        server.shutdown()
+        server.server_close()
+    assert [r.status for r in results] == [200, 200] and results[0].token_ids == [1, 1]
+    assert len(connections) == 2
