@@ -99,6 +99,7 @@ class LeaseKitPushWorker(LeaseKitWorkerMixin, PHooks, DHooks, NixlPushConnectorW
         self._lk_tap.flow = self._lk_flow
         self._lk_late: list[str] = []
         self._lk_failed: list[str] = []
+        self._lk_failing: set[str] = set()  # leases whose WRITE failed and still has handles out (counted once)
         self._lk_late_warning = RateLimitedWarning(lease_logger())
         self._lk_withheld_warning = RateLimitedWarning(lease_logger())
         self._lk_writes = WriteNoteGuard()
@@ -211,12 +212,19 @@ class LeaseKitPushWorker(LeaseKitWorkerMixin, PHooks, DHooks, NixlPushConnectorW
             self._lk_flow.reaped(expired)
 
     def _pop_done_transfers(self, transfers: dict[str, list[int]]) -> tuple[set[str], set[str]]:
-        """Stock polling; on ``_sending_transfers`` (P's WRITEs, called with vLLM's lock held) the WRITEs that
-        finished for a lease already ended are noted as late, and failed ones noted, for the engine thread."""
+        """Stock polling; on ``_sending_transfers`` (P's WRITEs, called with vLLM's lock held) each issued WRITE gets
+        one outcome for the engine thread: ``failed`` the first poll a handle of it fails (vLLM reports a failing
+        request on every poll until its last handle ends, ``base_worker.py`` ``_pop_done_transfers``, and then keeps
+        the lease until it expires, ``push_worker.py`` ``get_transfer_results``), else ``late`` when its handles all
+        finished after its lease ended; ``done`` is counted when vLLM releases the lease. So ``issued`` = ``done`` +
+        ``failed`` + ``late`` + the WRITEs in flight."""
         done, failed = super()._pop_done_transfers(transfers)
         if self._lk_ready and transfers is self._sending_transfers:
-            self._lk_late.extend(r for r in done if r not in self._reqs_to_send and r not in self._reqs_to_process)
-            self._lk_failed.extend(failed)
+            self._lk_failed.extend(sorted(failed - self._lk_failing))
+            self._lk_failing |= failed
+            self._lk_late.extend(r for r in done if r not in self._reqs_to_send and r not in self._reqs_to_process
+                                 and r not in self._lk_failing)
+            self._lk_failing -= done  # no handle left: never reported again
         return done, failed
 
     def _lk_after_results(self, results: Any) -> None:

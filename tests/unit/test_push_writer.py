@@ -38,6 +38,7 @@ def worker(monkeypatch):
     w._lk_faults = FaultPoints(None)
     w._reqs_to_send = {"live": 110.0, "old": 90.0}
     w._sending_transfers, w._sending_transfers_lock = {}, threading.Lock()
+    w._lk_late, w._lk_failed, w._lk_failing = [], [], set()
     w._lk_flow = PushFlow(w._reqs_to_send, allowed=lambda host: True, hold_s=1.0, max_bytes=1 << 20,
                           drop=lambda *a: None)
     w.submitted = submitted
@@ -98,3 +99,19 @@ def test_the_reap_judges_silence_up_to_the_writers_last_poll_waiting_at_most_e(w
     assert worker._lk_reap_now(100.5) == 100.0
     assert worker._lk_reap_now(110.0) == 106.0  # E = 4 at L = 6
     assert PHooks._lk_reap_now(worker, 110.0) == 110.0  # pull mode: the engine thread drains NIXL itself
+
+
+def test_each_issued_write_gets_one_outcome_however_often_vllm_reports_its_failure(worker, monkeypatch):
+    polls = iter([(set(), {"live"}), ({"live"}, {"live"}), ({"old"}, set()), ({"live"}, {"live"}), ({"live"}, {"live"})])
+    monkeypatch.setattr(NixlPushConnectorWorker, "_pop_done_transfers", lambda self, transfers: next(polls), raising=False)
+    worker._lk_gate = type("Gate", (), {"poll": staticmethod(lambda transfers, done, failed: (done, failed))})()  # D's read gate: pull only
+    worker._reqs_to_process = set()
+    worker._reqs_to_send.pop("old")  # its lease expired before its WRITE finished
+    for _ in range(3):
+        worker._pop_done_transfers(worker._sending_transfers)
+    # vLLM reported "live" failing on two polls, then done (it keeps the lease until it expires): one failure, not late
+    assert worker._lk_failed == ["live"] and worker._lk_late == ["old"]
+    worker._pop_done_transfers({})  # not P's WRITEs: nothing noted
+    assert worker._lk_failed == ["live"]
+    worker._pop_done_transfers(worker._sending_transfers)  # a later WRITE under the same id fails: counted again
+    assert worker._lk_failed == ["live", "live"] and not worker._lk_failing
