@@ -53,13 +53,16 @@ UNKNOWN_ID = "push_reg_unknown_id"
 NOT_ALLOWED = "push_reg_not_allowed"
 REPEAT = "push_reg_repeat"
 OVERFLOW = "push_reg_overflow"
+AMBIGUOUS_ID = "push_reg_ambiguous_id"
 INTERNAL_ERROR = "internal_error"
-DROP_REASONS = (BAD, OVERSIZED, UNKNOWN_ID, NOT_ALLOWED, REPEAT, OVERFLOW)
+DROP_REASONS = (BAD, OVERSIZED, UNKNOWN_ID, NOT_ALLOWED, REPEAT, OVERFLOW, AMBIGUOUS_ID)
 """Why P dropped a registration (bounded: metric label values): ``bad_push_reg`` (not a msgpack map with the
 fields P uses in range), ``push_reg_oversized`` (over the size ceiling), ``push_reg_unknown_id`` (no lease P
 holds has its id, within the hold), ``push_reg_not_allowed`` (``decode_host`` is not an allowed address, within
 the hold), ``push_reg_repeat`` (the lease already had a registration acted on: a second D rank's, a stranger's
-or a replay), ``push_reg_overflow`` (too many held at once). A failing ``live``/``allowed`` callable drops the
+or a replay), ``push_reg_overflow`` (too many held at once), ``push_reg_ambiguous_id`` (its id matches more than one
+of P's leases: a client sent one ``X-Request-Id`` twice, and vLLM's writer could WRITE one prompt's KV blocks into
+the other's D blocks). A failing ``live``/``allowed`` callable drops the
 registration as ``internal_error`` (a reason of the notification intake's own)."""
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
@@ -204,12 +207,18 @@ class _Held:
     reason: str
 
 
+AMBIGUOUS = "\x00ambiguous"
+"""What ``live`` returns for a request id that matches more than one lease P holds (never a request id: it has a
+control character, which :func:`decode_push_reg` refuses in ids)."""
+
+
 class PushRegGuard:
     """Which registrations P's writer acts on (see the module docstring for the rules).
 
     Args:
         live: ``live(request_id) -> P's lease id or None``: the lease P holds now for a registration's
-            request id (exact, or without vLLM's ``-<8 hex>`` suffix); called on the writer thread.
+            request id (exact, or without vLLM's ``-<8 hex>`` suffix), or :data:`AMBIGUOUS` when that matches more
+            than one (dropped at once: ``push_reg_ambiguous_id``); called on the writer thread.
         allowed: ``allowed(host) -> bool``: whether P may dial ``host`` (an IP literal).
         hold_s: seconds a registration failing the lease or address rule is held before it is dropped (>= 0).
         max_bytes: size ceiling of one registration in bytes (> len(prefix)).
@@ -284,6 +293,10 @@ class PushRegGuard:
     def _decide(self, agent: str, msg: bytes, reg: PushReg, now: float, accepted: list, dropped: list,
                 held: _Held | None) -> None:
         lease = self._live(reg.request_id)
+        if lease == AMBIGUOUS:  # waiting cannot tell which lease D meant: never WRITE one prompt into another's blocks
+            dropped.append((AMBIGUOUS_ID, agent, f"request {reg.request_id!r} matches more than one lease (one "
+                                                 "X-Request-Id sent twice)"))
+            return
         if lease is None:
             reason, detail = UNKNOWN_ID, f"no lease for request {reg.request_id!r}"
         elif (address := checked_address(reg.decode_host)) is None or not self._allowed(address):

@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from leasekit.lease.pushreg import PUSH_REG_PREFIX, PushRegGuard
+from leasekit.lease.pushreg import AMBIGUOUS, PUSH_REG_PREFIX, PushRegGuard
 from leasekit.lease.peerref import peer_ref
 from leasekit.telemetry.lease_log import RateLimitedWarning, lease_logger
 
@@ -69,7 +69,8 @@ class PushFlow:
     def __init__(self, reqs_to_send: Mapping[str, float], *, allowed: Callable[[str], bool], hold_s: float, max_bytes: int,
                  drop: Callable[[str, Any, str], None], clock: Callable[[], float] = time.perf_counter):
         self._reqs_to_send = reqs_to_send
-        self._bases: dict[str, str] = {}
+        self._bases: dict[str, str] = {}  # base id -> its one live lease, or AMBIGUOUS (read by the writer thread)
+        self._clashes: dict[str, set[str]] = {}  # base id -> its live leases while it is AMBIGUOUS (engine thread)
         self._drop = drop
         self._clock = clock
         self.guard = PushRegGuard(live=self.live, allowed=allowed, hold_s=hold_s, max_bytes=max_bytes)
@@ -98,10 +99,14 @@ class PushFlow:
     # -- writer thread ---------------------------------------------------------------------------------------
     def live(self, request_id: str) -> str | None:
         """P's lease for a registration's ``request_id``: itself if P holds it, else the live lease with the same
-        base id (:func:`base_request_id`); None if neither."""
+        base id (:func:`base_request_id`); :data:`~leasekit.lease.pushreg.AMBIGUOUS` while more than one lease P
+        granted has that base id and any of them is live (vLLM's writer would pick one of them,
+        ``push_worker.py`` ``_pop_matching_finished_blocks``); None if none."""
         if request_id in self._reqs_to_send:
             return request_id
         lease = self._bases.get(base_request_id(request_id))
+        if lease == AMBIGUOUS:
+            return lease
         return lease if lease is not None and lease in self._reqs_to_send else None
 
     def writer_batch(self, batch: dict[str, list[bytes]], polled_at: float | None = None) -> dict[str, list[bytes]]:
@@ -190,12 +195,22 @@ class PushFlow:
     def granted(self, req_id: str) -> None:
         """P granted a lease for ``req_id``: registrations naming its base id match it (and a WRITE for it may be
         submitted again, even if an earlier lease with that id was reaped)."""
-        self._bases[base_request_id(req_id)] = req_id
+        base = base_request_id(req_id)
+        known = self._bases.get(base)
+        if known == AMBIGUOUS:
+            self._clashes[base].add(req_id)
+        elif known is not None and known != req_id and known in self._reqs_to_send:
+            self._clashes[base] = {known, req_id}  # one X-Request-Id twice: until both ended, no registration matches
+            self._bases[base] = AMBIGUOUS
+        else:
+            self._bases[base] = req_id
         if req_id in self._reaped:
             with self.write_lock:
                 self._reaped.pop(req_id, None)
         if len(self._bases) > 4096 + 4 * len(self._reqs_to_send):  # leases that ended unseen (aborts): prune
-            self._bases = {b: r for b, r in self._bases.items() if r in self._reqs_to_send}
+            live = self._reqs_to_send
+            self._clashes = {b: kept for b, m in self._clashes.items() if (kept := {r for r in m if r in live})}
+            self._bases = {b: r for b, r in self._bases.items() if r in live or (r == AMBIGUOUS and b in self._clashes)}
         if len(self._agents) > 4096 + 4 * len(self._reqs_to_send):  # registered, then aborted before any WRITE
             with self._lock:  # the writer thread inserts under it
                 for lease in [lease for lease in self._agents if lease not in self._reqs_to_send]:
@@ -206,6 +221,10 @@ class PushFlow:
         base = base_request_id(req_id)
         if self._bases.get(base) == req_id:
             del self._bases[base]
+        elif base in self._clashes:
+            self._clashes[base].discard(req_id)
+            if not self._clashes[base]:
+                del self._clashes[base], self._bases[base]
         self._agents.pop(req_id, None)
         self.guard.forget(req_id)
 

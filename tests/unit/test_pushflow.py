@@ -241,3 +241,44 @@ def test_the_backlog_is_bounded_in_bytes_and_dropped_registrations_waiting_to_be
     flow.record(Recorder(), stats)
     assert len(drops) == 3 and {d[0] for d in drops} == {"push_reg_unknown_id"}
     assert stats.drops == {"backlog_full": 1, "push_reg_unknown_id": 2}
+
+
+def test_one_x_request_id_on_two_live_leases_matches_no_registration_until_both_ended():
+    """vLLM's writer pairs a registration with the first finished prefill of the same base id: with two leases of
+    one base id (a client sent one X-Request-Id twice) it could WRITE one prompt's KV blocks into the other's."""
+    flow, leases, drops = make()
+    first, second, third = "cmpl-x-0-1a2b3c4d", "cmpl-x-0-5e6f7a8b", "cmpl-x-0-0c0c0c0c"
+    leases[first] = 6.0
+    flow.granted(first)
+    assert flow.live("cmpl-x-0-99999999") == first
+    leases[second] = 7.0
+    flow.granted(second)
+    assert flow.writer_batch({"d-agent": [reg("cmpl-x-0-99999999")]}) == {}  # dropped at once, not held
+    flow.record(Recorder(), Stats())
+    assert [reason for reason, _, _ in drops] == ["push_reg_ambiguous_id"]
+    leases[third] = 8.0
+    flow.granted(third)
+    for ended in (first, second):
+        del leases[ended]
+        flow.ended(ended)
+        assert flow.writer_batch({"d-agent": [reg("cmpl-x-0-99999999")]}) == {}  # a late registration may be the ended one's
+    del leases[third]
+    flow.ended(third)
+    leases["cmpl-x-0-77777777"] = 9.0  # every clashing lease ended: the id is free for the next request
+    flow.granted("cmpl-x-0-77777777")
+    assert flow.writer_batch({"d-agent": [reg("cmpl-x-0-99999999")]}) == {"d-agent": [reg("cmpl-x-0-99999999")]}
+    flow.record(Recorder(), Stats())
+    assert [reason for reason, _, _ in drops] == ["push_reg_ambiguous_id"] * 3 and not flow._clashes
+
+
+def test_a_clash_survives_the_prune_of_ended_leases_only_while_a_clashing_lease_lives():
+    flow, leases, _ = make()
+    leases["x-1a2b3c4d"] = leases["x-5e6f7a8b"] = 6.0
+    flow.granted("x-1a2b3c4d")
+    flow.granted("x-5e6f7a8b")
+    for i in range(4100):  # leases that ended without ended(): the prune runs
+        flow.granted(f"gone-{i}")
+    assert flow.live("x-99999999") == "\x00ambiguous"
+    del leases["x-1a2b3c4d"], leases["x-5e6f7a8b"]
+    flow.granted("trigger")
+    assert flow.live("x-99999999") is None and not flow._clashes
