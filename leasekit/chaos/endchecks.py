@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import httpx
+
 from leasekit.chaos import FAIL, PASS, UNKNOWN
 from leasekit.chaos.checks import CheckResult
 
@@ -87,3 +89,45 @@ def liveness_after(load: Any, pair: Any, *, decode_killed: bool) -> CheckResult:
     answers = {load.request_id(i): f"HTTP {d.status} after {d.latency_s:.1f} s" + (f" ({(d.error or '')[:80]})" if not d.ok else "")
                for i, d in load.decodes.items()}
     return check_liveness(unanswered, healthy, fresh, answers)
+
+
+LATE_WRITE_METRIC = "vllm:nixl_num_notifications_after_expiry"
+"""D's count of transfer notifications for requests it no longer waits on (vllm 0.32.0 ``nixl/stats.py``; in push
+mode ``push_worker.py`` counts a WRITE notification D has no receive for, and LeaseKit's D counts it the same way):
+a WRITE that finished into blocks D may already have given to another request."""
+
+
+def late_writes(metrics: Mapping[str, float]) -> float | None:
+    """D's :data:`LATE_WRITE_METRIC` from a scrape (``{sample name: value}``; the counter's ``_total`` sample or
+    the bare name), None if D does not export it."""
+    for name in (LATE_WRITE_METRIC + "_total", LATE_WRITE_METRIC):
+        if name in metrics:
+            return float(metrics[name])
+    return None
+
+
+def late_writes_on(server: Any) -> float | None:
+    """:func:`late_writes` from ``server``'s ``/metrics`` (a server with ``metrics()``); None when it does not answer."""
+    try:
+        return late_writes(server.metrics())
+    except httpx.HTTPError:
+        return None
+
+
+def check_no_late_write(before: float | None, after: float | None, *, decode_killed: bool = False) -> CheckResult:
+    """No WRITE lands in a reused D slot: D counted no transfer notification for a request it no longer waited on
+    during the run (:data:`LATE_WRITE_METRIC`, read before the fault run and after the end-of-run waits).
+
+    ``before`` / ``after``: the counter's values (None: unreadable or not exported); ``decode_killed``: the fault
+    killed D, so its counter restarted. UNKNOWN when either reading is missing or D was killed.
+    """
+    details = {"metric": LATE_WRITE_METRIC, "before": before, "after": after}
+    if decode_killed:
+        return CheckResult("no-late-write", UNKNOWN, "D was killed: its counters restarted", details=details)
+    if before is None or after is None:
+        return CheckResult("no-late-write", UNKNOWN, f"D's {LATE_WRITE_METRIC} was not readable "
+                           f"{'before the fault run' if before is None else 'after it'}", details=details)
+    if after > before:
+        return CheckResult("no-late-write", FAIL, f"{after - before:g} WRITE(s) finished on D for requests it no longer "
+                           "waited on: their KV blocks may have been given to other requests", details=details)
+    return CheckResult("no-late-write", PASS, "no WRITE finished on D after it stopped waiting for it", details=details)

@@ -13,11 +13,13 @@ from leasekit.chaos import FAIL, PASS, UNKNOWN
 from leasekit.chaos.actions import Effect, FaultRun, not_injectable
 from leasekit.chaos.checks import (CheckResult, check_all_served, check_bounded_reclaim, check_fail_closed, check_no_expiry,
                                    check_steady_state, on_time_only)
-from leasekit.chaos.endchecks import check_conservation, check_decode_conservation, liveness_after
+from leasekit.chaos.endchecks import (check_conservation, check_decode_conservation, check_no_late_write, late_writes_on,
+                                      liveness_after)
 from leasekit.chaos.evidence import ClockMismatch, Evidence, EvidenceReader
 from leasekit.chaos.faults.onhost import host_of
 from leasekit.chaos.launcheffects import launch_effects, wall_clock_effects
 from leasekit.chaos.plot import plot_timeline
+from leasekit.chaos.pusheffects import aborted_mid_push
 from leasekit.chaos.result import ScenarioResult
 from leasekit.chaos.scenario import Scenario
 from leasekit.chaos.schema import PartitionFault
@@ -51,7 +53,7 @@ class ScenarioExecution:
     # -- phases ----------------------------------------------------------------------------
     def _load(self) -> QueuedDecodeLoad:
         w = self.s.workload
-        cancel_after = w.cancel_after_s if w.cancel_after_s is not None else 0.5 * float(self.timing.lease_duration_s)
+        cancel_after = self.s.cancel_after_s()
         load = QueuedDecodeLoad(self.pair, w.requests, w.prompt_tokens, w.decode_tokens, kind=w.kind,
                                 cancel_queued_fraction=w.cancel_queued_fraction, never_decode_fraction=w.never_decode_fraction,
                                 cancel_after_s=cancel_after, decode_slots=self.s.topology.decode_max_num_seqs,
@@ -158,6 +160,7 @@ class ScenarioExecution:
         self.fault_run = run = FaultRun(pair, list(s.faults), after, self.timing, say=self.say)
         traffic = PrefillTraffic(pair, s.workload.prefill_rps)
         load = self._load()
+        self._late_writes_before = late_writes_on(pair.decode) if "no_late_write" in s.expect.checks else None
         early = any(isinstance(f, PartitionFault) and f.first_handshake for f in s.faults)
         try:
             run.inject_early()
@@ -263,7 +266,12 @@ class ScenarioExecution:
                 checks.append(check_decode_conservation(usage, waited_s=self._settle_s, decode_killed=run.d_killed))
             elif name == "liveness":
                 checks.append(liveness_after(load, self.pair, decode_killed=run.d_killed))
+            elif name == "no_late_write":
+                checks.append(check_no_late_write(self._late_writes_before, late_writes_on(self.pair.decode),
+                                                  decode_killed=run.d_killed))
         return checks
+
+    _late_writes_before: float | None = None
 
     def _recompute_matches(self, discarded: dict[str, str]) -> dict[str, bool | None]:
         """For each served request whose read D discarded: do its tokens equal a fresh routed run of
@@ -331,6 +339,7 @@ class ScenarioExecution:
             r.effects.extend(wall_clock_effects(self.s.launch, self.load.decodes.values() if self.load else []))
             r.effects.extend(self.silence_effects(evidence))
             r.effects.extend(self.load.effects() if self.load else [])  # cancels done, slots held until released
+            r.effects.extend(aborted_mid_push(self.s, self.load, evidence.leases, self.reader.to_p_clock))
             r.faults = self.fault_run.records if self.fault_run else []
             r.checks = self._checks(evidence)
             self._plot(evidence)

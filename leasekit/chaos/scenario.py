@@ -121,10 +121,16 @@ class Scenario(Strict):
                 if len(self.faults) > 1:  # it starts only at P's next WRITE: its window cannot be ordered with others
                     raise ValueError(f"faults.{i}: a push_writer stall must be the scenario's only fault "
                                      f"(it has {len(self.faults)}): split the scenario")
-                if w.kind != "queued" or w.hold_decode_slot_s is None:
+                if w.kind not in ("queued", "abort_storm") or w.hold_decode_slot_s is None:
                     raise ValueError(f"faults.{i}: a push_writer stall starts at P's next WRITE, so D must register "
-                                     "while it is armed: use workload.kind = 'queued' with hold_decode_slot_s set "
-                                     "after the fault's after_s (e.g. \"2H + 1.5s\")")
+                                     "while it is armed: use workload.kind = 'queued' (or 'abort_storm') with "
+                                     "hold_decode_slot_s set after the fault's after_s (e.g. \"2H + 1.5s\")")
+                cancel, hold = self.cancel_after_s(), float(w.hold_decode_slot_s)
+                if w.kind == "abort_storm" and not hold < cancel < hold + float(fault.duration_s):
+                    raise ValueError(f"workload.cancel_after_s: with a push_writer stall an abort storm cancels requests "
+                                     f"D registered whose WRITE the stall holds, so it must be later than "
+                                     f"hold_decode_slot_s ({hold:g} s) and earlier than that + faults.{i}.duration_s "
+                                     f"({hold + float(fault.duration_s):g} s), got {cancel:g} s")
                 if float(w.hold_decode_slot_s) <= float(self.fault_after_s(fault)):
                     raise ValueError(f"workload.hold_decode_slot_s: {float(w.hold_decode_slot_s):g} s must be later than "
                                      f"faults.{i}.after_s = {float(self.fault_after_s(fault)):g} s (D registers when the "
@@ -167,6 +173,11 @@ class Scenario(Strict):
     def hold_decode_slot_s(self) -> float:
         """Seconds D's slot is held in the steady-state run (default ``1.5 * L``)."""
         return self.workload.hold_decode_slot_s or 1.5 * float(self.lease.duration_s)
+
+    def cancel_after_s(self) -> float:
+        """Seconds after routing a cancelled request's client gives up (``abort_storm``; default ``0.5 * L``)."""
+        w = self.workload
+        return float(w.cancel_after_s) if w.cancel_after_s is not None else 0.5 * float(self.lease.duration_s)
 
     def fault_after_s(self, fault) -> float:
         """Seconds between "queued" and ``fault`` (its ``after_s``, else a default per kind):

@@ -19,7 +19,10 @@ from leasekit.lease.config import LeaseTiming
 TARGETS = ("leasekit", "stock")
 """Conformance targets: LeaseKitConnector on P and D, or vLLM's stock NixlConnector on P and D."""
 
-CHECKS = ("bounded_reclaim", "no_expiry", "all_served", "fail_closed", "liveness", "conservation", "decode_conservation")
+CHECKS = ("bounded_reclaim", "no_expiry", "all_served", "fail_closed", "liveness", "conservation", "decode_conservation",
+          "no_late_write")
+CheckName = Literal["bounded_reclaim", "no_expiry", "all_served", "fail_closed", "liveness", "conservation",
+                    "decode_conservation", "no_late_write"]
 """Checks a scenario can ask for (see leasekit.chaos.checks)."""
 
 
@@ -205,8 +208,8 @@ class ExpectSection(Strict):
 
     leasekit: Literal["PASS", "FAIL", "UNKNOWN"] = "PASS"
     stock: Literal["PASS", "FAIL", "UNKNOWN"] = "PASS"
-    checks: list[Literal["bounded_reclaim", "no_expiry", "all_served", "fail_closed", "liveness", "conservation", "decode_conservation"]] = Field(min_length=1)
-    failing_checks: list[Literal["bounded_reclaim", "no_expiry", "all_served", "fail_closed", "liveness", "conservation", "decode_conservation"]] = Field(default_factory=list)
+    checks: list[CheckName] = Field(min_length=1)
+    failing_checks: list[CheckName] = Field(default_factory=list)
     known_defect_leasekit: str | None = None
     known_defect_stock: str | None = None
 

@@ -34,6 +34,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from leasekit.lease.pushend import asked_for_push_end
+
 PUSH_REG_PREFIX = b"PUSH_REG:"
 """vLLM's ``PUSH_REG_NOTIF_PREFIX`` (``nixl/metadata.py``): a registration is this prefix + msgpack."""
 
@@ -54,15 +56,17 @@ NOT_ALLOWED = "push_reg_not_allowed"
 REPEAT = "push_reg_repeat"
 OVERFLOW = "push_reg_overflow"
 AMBIGUOUS_ID = "push_reg_ambiguous_id"
+LEASE_ENDED = "push_reg_lease_ended"
 INTERNAL_ERROR = "internal_error"
-DROP_REASONS = (BAD, OVERSIZED, UNKNOWN_ID, NOT_ALLOWED, REPEAT, OVERFLOW, AMBIGUOUS_ID)
+DROP_REASONS = (BAD, OVERSIZED, UNKNOWN_ID, NOT_ALLOWED, REPEAT, OVERFLOW, AMBIGUOUS_ID, LEASE_ENDED)
 """Why P dropped a registration (bounded: metric label values): ``bad_push_reg`` (not a msgpack map with the
 fields P uses in range), ``push_reg_oversized`` (over the size ceiling), ``push_reg_unknown_id`` (no lease P
 holds has its id, within the hold), ``push_reg_not_allowed`` (``decode_host`` is not an allowed address, within
 the hold), ``push_reg_repeat`` (the lease already had a registration acted on: a second D rank's, a stranger's
 or a replay), ``push_reg_overflow`` (too many held at once), ``push_reg_ambiguous_id`` (its id matches more than one
 of P's leases: a client sent one ``X-Request-Id`` twice, and vLLM's writer could WRITE one prompt's KV blocks into
-the other's D blocks). A failing ``live``/``allowed`` callable drops the
+the other's D blocks), ``push_reg_lease_ended`` (its id names a lease P's reap already ended: no WRITE will come;
+a D that asked for it is told, :mod:`leasekit.lease.pushend`). A failing ``live``/``allowed`` callable drops the
 registration as ``internal_error`` (a reason of the notification intake's own)."""
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
@@ -101,6 +105,8 @@ class PushReg:
         decode_engine_id: D's engine id. decode_host: D's side-channel host as vLLM's writer dials it (an IP
         literal or a host name; only IP literals and ``localhost`` can pass the address rule). decode_port: D's side-channel port (1..65535). decode_tp_size: D's TP size (1..1024).
         blocks: how many KV block ids the registration names (all groups; at least 1).
+        push_end: D asked for a lease-end notification if the lease ends without a WRITE
+            (:mod:`leasekit.lease.pushend`).
     """
 
     request_id: str
@@ -109,6 +115,7 @@ class PushReg:
     decode_port: int
     decode_tp_size: int
     blocks: int
+    push_end: bool = False
 
 
 @dataclass(frozen=True)
@@ -195,7 +202,7 @@ def decode_push_reg(msg: Any, *, max_bytes: int, decode: Callable[[bytes], Any] 
                                  "(D's VLLM_NIXL_SIDE_CHANNEL_HOST)")
     if fields[5] == 0:
         return PushRegError(BAD, "local_block_ids: must name at least one block id")
-    return PushReg(fields[0], fields[1], fields[2], fields[3], fields[4], fields[5])
+    return PushReg(fields[0], fields[1], fields[2], fields[3], fields[4], fields[5], asked_for_push_end(reg))
 
 
 @dataclass
@@ -223,18 +230,23 @@ class PushRegGuard:
         hold_s: seconds a registration failing the lease or address rule is held before it is dropped (>= 0).
         max_bytes: size ceiling of one registration in bytes (> len(prefix)).
         max_held: registrations held at once. decode: msgpack decoder (tests).
+        reaped: ``reaped(request_id) -> bool``: whether that id names a lease P's reap ended (expired); such a
+            registration is dropped at once (``push_reg_lease_ended``), and when it asked for it
+            (:attr:`PushReg.push_end`) its sender and id wait in :meth:`take_ended` for a lease-end notification.
 
     Raises:
         ValueError: ``hold_s`` negative, ``max_bytes`` or ``max_held`` too small.
     """
 
     def __init__(self, *, live: Callable[[str], str | None], allowed: Callable[[str], bool], hold_s: float,
-                 max_bytes: int, max_held: int = MAX_HELD, decode: Callable[[bytes], Any] = _msgpack_decode):
+                 max_bytes: int, max_held: int = MAX_HELD, decode: Callable[[bytes], Any] = _msgpack_decode,
+                 reaped: Callable[[str], bool] | None = None):
         if hold_s < 0:
             raise ValueError(f"hold_s={hold_s}: must be >= 0 seconds")
         if max_bytes <= len(PUSH_REG_PREFIX) or max_held < 1:
             raise ValueError(f"max_bytes={max_bytes}, max_held={max_held}: must be > {len(PUSH_REG_PREFIX)} and >= 1")
-        self._live, self._allowed, self._decode = live, allowed, decode
+        self._live, self._allowed, self._decode, self._reaped = live, allowed, decode, reaped
+        self._ended: list[tuple[str, str]] = []  # (sender agent, D request id) to tell that the lease ended
         self.hold_s, self.max_bytes, self.max_held = float(hold_s), int(max_bytes), int(max_held)
         self._held: list[_Held] = []
         self._held_bytes = 0
@@ -246,6 +258,14 @@ class PushRegGuard:
     def held(self) -> int:
         """Registrations held now."""
         return len(self._held)
+
+    def take_ended(self) -> list[tuple[str, str]]:
+        """``(sender agent, D request id)`` of the registrations dropped as ``push_reg_lease_ended`` that asked for a
+        lease-end notification, since the last call (at most ``max_held`` per call; call it on the thread that calls
+        :meth:`filter`)."""
+        with self._lock:
+            ended, self._ended = self._ended, []
+        return ended
 
     def forget(self, lease_id: str) -> None:
         """``lease_id``'s lease ended (engine thread; never waits on the writer thread): a later registration for its
@@ -296,6 +316,11 @@ class PushRegGuard:
         if lease == AMBIGUOUS:  # waiting cannot tell which lease D meant: never WRITE one prompt into another's blocks
             dropped.append((AMBIGUOUS_ID, agent, f"request {reg.request_id!r} matches more than one lease (one "
                                                  "X-Request-Id sent twice)"))
+            return
+        if lease is None and self._reaped is not None and self._reaped(reg.request_id):  # no WRITE will ever come
+            dropped.append((LEASE_ENDED, agent, f"the lease of request {reg.request_id!r} already ended on P"))
+            if reg.push_end and len(self._ended) < self.max_held:
+                self._ended.append((agent, reg.request_id))
             return
         if lease is None:
             reason, detail = UNKNOWN_ID, f"no lease for request {reg.request_id!r}"

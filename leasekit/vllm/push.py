@@ -13,7 +13,9 @@ vLLM's compatibility hash (its ``_TRANSFER_MODE`` stays ``"push"``). Hooks of vl
   names a lease P holds, names an allowed D address and is the lease's first
   (:mod:`leasekit.lease.pushreg`; otherwise counted in ``leasekit_kv_lease_notifications_dropped_total{reason}``);
 - P, WRITE issued: ``_xfer_blocks_for_req`` (writer thread) -> ``leasekit.push.write_issued_*`` on the lease span;
-  the WRITE of a lease P's reap already ended is refused (``outcome="refused"``: its blocks may be reused);
+  the WRITE of a lease P's reap already ended is refused (``outcome="refused"``: its blocks may be reused), and a
+  LeaseKit D that asked is told the lease ended, as is one that registers for such a lease
+  (:mod:`leasekit.vllm.pushend`): D recomputes instead of waiting for ever;
 - P, a stalled writer thread: the writer alone drains NIXL in push mode, so P's reap judges D's silence only up to
   the writer's last poll, waiting at most ``E`` for it (:meth:`leasekit.vllm.pushflow.PushFlow.reap_clock`):
   a writer stall does not expire the leases of a D that kept heartbeating;
@@ -51,10 +53,12 @@ from leasekit.lease.bounds import silence_may_expire
 from leasekit.lease.codec import Completion, decode_notification
 from leasekit.lease.config import LeaseTiming
 from leasekit.lease.peerref import peer_ref
+from leasekit.lease.pushend import is_push_end
 from leasekit.telemetry.lease_log import RateLimitedWarning, lease_logger
 from leasekit.vllm.decode.hooks import DHooks
 from leasekit.vllm.decode.writenotes import FOREIGN_WRITE, WriteNoteGuard
 from leasekit.vllm.prefill.hooks import PHooks
+from leasekit.vllm.pushend import PushEndHooks
 from leasekit.vllm.pushflow import PushFlow
 from leasekit.vllm.scheduler import LeaseKitSchedulerMixin
 from leasekit.vllm.connstats import LeaseKitConnectorStatsMixin
@@ -81,7 +85,7 @@ class LeaseKitPushScheduler(LeaseKitSchedulerMixin, NixlPushConnectorScheduler):
     _lk_mode = "push"
 
 
-class LeaseKitPushWorker(LeaseKitWorkerMixin, PHooks, DHooks, NixlPushConnectorWorker):
+class LeaseKitPushWorker(LeaseKitWorkerMixin, PushEndHooks, PHooks, DHooks, NixlPushConnectorWorker):
     """The worker side of :class:`LeaseKitPushConnector` (see the module docstring for what each hook does).
 
     Built without ``__init__`` (``_lk_ready`` False), every method is vLLM's."""
@@ -95,13 +99,14 @@ class LeaseKitPushWorker(LeaseKitWorkerMixin, PHooks, DHooks, NixlPushConnectorW
         or its address (the grant and the side-channel peer reach the worker one engine step after they happen)."""
         self._lk_flow = PushFlow(self._reqs_to_send, allowed=self._lk_p.replies.allowed,
                                  hold_s=max(timing.heartbeat_interval_s, MIN_HOLD_S), max_bytes=max_bytes,
-                                 drop=self._lk_p.intake.drop)
+                                 drop=self._lk_p.intake.drop, notify_end=self._lk_end_to_agent)
         self._lk_tap.flow = self._lk_flow
         self._lk_late: list[str] = []
         self._lk_failed: list[str] = []
         self._lk_failing: set[str] = set()  # leases whose WRITE failed and still has handles out (counted once)
         self._lk_late_warning = RateLimitedWarning(lease_logger())
         self._lk_withheld_warning = RateLimitedWarning(lease_logger())
+        self._lk_end_warning = RateLimitedWarning(lease_logger())
         self._lk_writes = WriteNoteGuard()
 
     def start_load_kv(self, metadata: Any) -> None:
@@ -120,6 +125,7 @@ class LeaseKitPushWorker(LeaseKitWorkerMixin, PHooks, DHooks, NixlPushConnectorW
         first registration), so with D TP > 1 D withholds nothing, as stock."""
         if getattr(metadata, "push_registrations", None) and getattr(self, "world_size", 1) == 1:
             self._lk_withhold_lapsed(metadata)
+        self._lk_ask_for_push_end(metadata)  # P tells D when a lease ends without a WRITE (leasekit.vllm.pushend)
 
     def _lk_withhold_lapsed(self, metadata: Any) -> None:
         """D: never register for a lease P may have reclaimed. A request whose heartbeats D stopped sending for
@@ -177,7 +183,9 @@ class LeaseKitPushWorker(LeaseKitWorkerMixin, PHooks, DHooks, NixlPushConnectorW
                 self._lk_faults.record_writer_stall(start, time.perf_counter())
         flow = self._lk_flow
         if not flow.begin_write(req_id):  # from here the reap holds the lease back until end_write
-            flow.refused(req_id)
+            d_request_id = flow.refused(req_id)
+            if d_request_id is not None:  # D asked to be told: it would wait for this WRITE for ever
+                self._lk_send_push_end(self._lk_known_agents(meta.remote.engine_id), d_request_id)
             return
         try:
             super()._xfer_blocks_for_req(req_id, meta)
@@ -280,6 +288,9 @@ class LeaseKitPushWorker(LeaseKitWorkerMixin, PHooks, DHooks, NixlPushConnectorW
             for msg in messages:
                 if isinstance(msg, (bytes, bytearray)) and msg[:3] == HEARTBEAT_PREFIX:
                     p_batch.setdefault(agent, []).append(msg)  # the hot path: decoded once, by the intake
+                    continue
+                if consumer and is_push_end(msg):
+                    self._lk_push_end_received(agent, bytes(msg))
                     continue
                 note = decode_notification(msg, max_bytes=intake.max_bytes)
                 if not isinstance(note, Completion):

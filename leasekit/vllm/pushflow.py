@@ -64,16 +64,21 @@ class PushFlow:
         max_bytes: the largest registration accepted (bytes).
         drop: ``drop(reason, agent, detail)``: counts and logs one dropped notification (engine thread).
         clock: seconds, monotonic (``time.perf_counter``).
+        notify_end: ``notify_end(agent, d_request_id)``, called on the writer thread for each registration dropped
+            because its lease was already reaped whose D asked to be told (:mod:`leasekit.lease.pushend`); None: nobody
+            is told.
     """
 
     def __init__(self, reqs_to_send: Mapping[str, float], *, allowed: Callable[[str], bool], hold_s: float, max_bytes: int,
-                 drop: Callable[[str, Any, str], None], clock: Callable[[], float] = time.perf_counter):
+                 drop: Callable[[str, Any, str], None], clock: Callable[[], float] = time.perf_counter,
+                 notify_end: Callable[[str, str], None] | None = None):
         self._reqs_to_send = reqs_to_send
+        self._notify_end = notify_end
         self._bases: dict[str, str] = {}  # base id -> its one live lease, or AMBIGUOUS (read by the writer thread)
         self._clashes: dict[str, set[str]] = {}  # base id -> its live leases while it is AMBIGUOUS (engine thread)
         self._drop = drop
         self._clock = clock
-        self.guard = PushRegGuard(live=self.live, allowed=allowed, hold_s=hold_s, max_bytes=max_bytes)
+        self.guard = PushRegGuard(live=self.live, allowed=allowed, hold_s=hold_s, max_bytes=max_bytes, reaped=self.was_reaped)
         self._forwarded: deque[tuple[str, bytes]] = deque()
         self._forwarded_bytes = 0
         self._overflow: dict[str, int] = {}  # reason -> messages dropped for want of room (under _lock)
@@ -81,6 +86,7 @@ class PushFlow:
         self._issued: deque[tuple[str, float, str]] = deque()
         self._refused: deque[str] = deque()
         self._agents: dict[str, str] = {}  # lease -> agent of its accepted registration (writer inserts/pops under _lock)
+        self._ends: dict[str, str] = {}  # lease -> D request id of its accepted registration that asked for a lease end
         self._lock = threading.Lock()
         self._polled_at: float | None = None  # start of the writer's last poll (perf_counter s), under _lock
         self.heard_until: float | None = None
@@ -92,6 +98,7 @@ class PushFlow:
         self.submitting: str | None = None
         """The lease whose WRITE the writer is submitting now (the reap holds it back: :meth:`reap_hold`)."""
         self._reaped: dict[str, None] = {}  # leases the reap ended, oldest first (bounded: REAPED_KEPT)
+        self._reaped_bases: dict[str, int] = {}  # base id -> how many of _reaped have it
         self._overflow_warning = RateLimitedWarning(lease_logger())
         self.lost_at: float | None = None
         """When the writer last dropped a forwarded notification for want of room (perf_counter s), or None."""
@@ -133,10 +140,15 @@ class PushFlow:
                 self._polled_at = polled_at
         accepted, dropped = self.guard.filter(regs, self._clock())
         self._queue_drops(dropped)
+        for agent, d_request_id in self.guard.take_ended():
+            if self._notify_end is not None:
+                self._notify_end(agent, d_request_id)
         out: dict[str, list[bytes]] = {}
         with self._lock:
-            for agent, msg, _reg, lease in accepted:
+            for agent, msg, reg, lease in accepted:
                 self._agents[lease] = agent
+                if reg.push_end:
+                    self._ends[lease] = reg.request_id
         for agent, msg, _reg, lease in accepted:
             out.setdefault(agent, []).append(msg)
         return out
@@ -174,9 +186,18 @@ class PushFlow:
         is reaped at the next step, and then its WRITE is in flight: a late write if it finishes after)."""
         return () if self.submitting is None else (self.submitting,)
 
-    def refused(self, req_id: str) -> None:
-        """The writer did not submit the WRITE of ``req_id``: its lease had been reaped (writer thread)."""
+    def refused(self, req_id: str) -> str | None:
+        """The writer did not submit the WRITE of ``req_id``: its lease had been reaped (writer thread). Returns D's
+        request id when its registration asked to be told that the lease ended (:mod:`leasekit.lease.pushend`), else
+        None."""
         self._refused.append(req_id)
+        with self._lock:
+            return self._ends.pop(req_id, None)
+
+    def was_reaped(self, request_id: str) -> bool:
+        """Whether ``request_id`` (or its base id, :func:`base_request_id`) names a lease P's reap ended that was not
+        granted again since (among the newest :data:`REAPED_KEPT`). Writer thread; reads only."""
+        return request_id in self._reaped or base_request_id(request_id) in self._reaped_bases
 
     def take_refused(self) -> list[str]:
         """The leases whose WRITE the writer refused since the last call (engine thread), oldest first."""
@@ -189,6 +210,7 @@ class PushFlow:
         """vLLM's writer issued ``handles`` WRITE transfers for lease ``req_id`` (writer thread)."""
         with self._lock:  # the engine thread prunes _agents under it
             agent = self._agents.pop(req_id, "")
+            self._ends.pop(req_id, None)  # written: no lease end to tell
         self._issued.append((req_id, self._clock(), agent))
 
     # -- engine thread ---------------------------------------------------------------------------------------
@@ -206,15 +228,17 @@ class PushFlow:
             self._bases[base] = req_id
         if req_id in self._reaped:
             with self.write_lock:
-                self._reaped.pop(req_id, None)
+                self._unreap(req_id)
         if len(self._bases) > 4096 + 4 * len(self._reqs_to_send):  # leases that ended unseen (aborts): prune
             live = self._reqs_to_send
             self._clashes = {b: kept for b, m in self._clashes.items() if (kept := {r for r in m if r in live})}
             self._bases = {b: r for b, r in self._bases.items() if r in live or (r == AMBIGUOUS and b in self._clashes)}
-        if len(self._agents) > 4096 + 4 * len(self._reqs_to_send):  # registered, then aborted before any WRITE
+        if len(self._agents) + len(self._ends) > 4096 + 4 * len(self._reqs_to_send):  # registered, never written
             with self._lock:  # the writer thread inserts under it
                 for lease in [lease for lease in self._agents if lease not in self._reqs_to_send]:
                     del self._agents[lease]
+                for lease in [lease for lease in self._ends if lease not in self._reqs_to_send and lease not in self._reaped]:
+                    del self._ends[lease]
 
     def ended(self, req_id: str) -> None:
         """``req_id``'s lease ended (released, expired or aborted)."""
@@ -226,6 +250,9 @@ class PushFlow:
             if not self._clashes[base]:
                 del self._clashes[base], self._bases[base]
         self._agents.pop(req_id, None)
+        if req_id not in self._reaped:  # a reaped one waits for the writer to refuse its WRITE and tell D
+            with self._lock:
+                self._ends.pop(req_id, None)
         self.guard.forget(req_id)
 
     def reaped(self, req_ids: list[str]) -> None:
@@ -233,10 +260,23 @@ class PushFlow:
         their blocks. The newest :data:`REAPED_KEPT` are remembered (a WRITE comes within seconds of its grant)."""
         reaped = self._reaped
         for req_id in req_ids:
+            if req_id not in reaped:
+                base = base_request_id(req_id)
+                self._reaped_bases[base] = self._reaped_bases.get(base, 0) + 1
             reaped[req_id] = None
             self._agents.pop(req_id, None)  # registered, never written: nothing will pop it
         while len(reaped) > REAPED_KEPT:
-            del reaped[next(iter(reaped))]
+            self._unreap(next(iter(reaped)))
+
+    def _unreap(self, req_id: str) -> None:
+        """Forget that the reap ended ``req_id`` (:attr:`write_lock` held)."""
+        if self._reaped.pop(req_id, False) is None:
+            base = base_request_id(req_id)
+            left = self._reaped_bases.get(base, 1) - 1
+            if left > 0:
+                self._reaped_bases[base] = left
+            else:
+                self._reaped_bases.pop(base, None)
 
     def reap_clock(self, now: float, patience_s: float) -> float:
         """The instant (perf_counter s) up to which P's reap may judge D's silence: ``now``, but no later than
