@@ -10,6 +10,8 @@ import threading
 
 import msgspec
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from leasekit.lease.pushend import (OPT_IN_KEY, PUSH_END_PREFIX, PushEndError, asked_for_push_end, decode_push_end,
                                     encode_push_end, is_push_end)
@@ -101,9 +103,6 @@ def test_a_written_lease_has_no_lease_end_to_tell():
     assert flow.refused("w-1a2b3c4d") is None
 
 
-vllm = pytest.importorskip("vllm")
-
-
 class Intake:
     def __init__(self):
         self.drops: list[tuple[str, str]] = []
@@ -114,6 +113,7 @@ class Intake:
 
 @pytest.fixture
 def worker():
+    pytest.importorskip("vllm")
     from leasekit.telemetry.lease_log import RateLimitedWarning, lease_logger
     from leasekit.vllm.push import LeaseKitPushWorker
 
@@ -158,3 +158,14 @@ def test_p_tells_every_agent_of_the_d_engine_or_only_a_known_registering_agent(w
     assert worker.sent == [("d-agent-1", b"LKEND:cmpl-d-0-1a2b3c4d")]
     worker._lk_send_push_end({"d-agent-0"}, "bad,id")
     assert worker._lk_errors.errors == ["push_end"] and len(worker.sent) == 1
+
+
+@given(st.binary(max_size=6000))
+def test_any_bytes_after_the_prefix_decode_to_an_id_or_bad_id_never_an_exception(body):
+    got = decode_push_end(PUSH_END_PREFIX + body)
+    assert (isinstance(got, PushEndError) and got.reason == "bad_id") or encode_push_end(got) == PUSH_END_PREFIX + body
+
+
+@given(st.text(min_size=1, max_size=1024).filter(lambda t: not any(c in t for c in ",") and t.isprintable()))
+def test_every_printable_id_round_trips(rid):
+    assert decode_push_end(encode_push_end(rid)) == rid
