@@ -14,7 +14,8 @@ What these tests pin down:
   to WRITE the prompt's KV blocks there;
 - a LeaseKit push pair (LeaseKitPushConnector on both sides) serves the same tokens as the stock push pair,
   its leases are spans and metrics with ``mode="push"`` (grant, WRITE issued, WRITE done, release), and its P
-  refuses the stranger's registration and malformed ones, counted by reason, and keeps serving.
+  refuses the stranger's registration and malformed ones, counted by reason, and keeps serving;
+- a mixed push pair (LeaseKit P with a stock D, stock P with a LeaseKit D) serves the tokens of a local prefill.
 """
 
 from __future__ import annotations
@@ -288,3 +289,25 @@ def test_push_only_dashboard_panels_show_data_from_a_real_prometheus(lk_push_pai
             prom.query("leasekit_kv_lease_push_writes_total")
         empty = [f"{where}: {expr}" for where, expr in queries if not prom.query_range(expr, t0, time.time(), 1.0)]
     assert not empty, "push-only panel queries without data:\n" + "\n".join(empty)
+
+
+MIXED_SPECS = [PairSpec.pinned(prefill_connector=p, decode_connector=d, transfer_mode="push", lease_duration_s=L,
+                               decode_kv_load_failure_policy="fail")
+               for p, d in (("leasekit", "stock"), ("stock", "leasekit"))]
+
+
+@pytest.mark.parametrize("spec", MIXED_SPECS, ids=["leasekit-P-stock-D", "stock-P-leasekit-D"])
+def test_a_mixed_push_pair_writes_the_kv_blocks_of_a_local_prefill(vllm_available, tmp_path, spec):
+    """LeaseKitPushConnector speaks the stock push wire both ways: a LeaseKit D's registrations (which carry its
+    request for lease-end notifications) are WRITEn by a stock P, a stock D is WRITEn by a LeaseKit P (and is never
+    sent a lease-end notification, which it could not parse), with the tokens of a local prefill."""
+    with PREFETCH.pair_for(spec, tmp_path / "run") as pair:
+        for length in (32, 80):
+            prompt = pair.prompt(length)
+            routed = pair.router.generate(prompt, TOKENS)
+            assert routed.prefill.ok, routed.prefill.error
+            assert routed.decode is not None and routed.decode.ok, routed.decode and routed.decode.error
+            assert routed.decode.token_ids == local_generation(pair, prompt, TOKENS)
+        for log in (pair.prefill.log_path.read_text(errors="replace"), pair.decode.log_path.read_text(errors="replace")):
+            assert "Releasing expired KV blocks" not in log  # P freed on its WRITE: nothing waited for a lease
+            assert "LeaseKit: told D" not in log and "Unrecognized request" not in log
