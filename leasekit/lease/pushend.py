@@ -10,9 +10,11 @@ sends D a lease-end notification instead; D fails that request's load through vL
 blocks.
 
 Wire: ``LKEND:`` + D's request id (UTF-8), one NIXL notification per D agent. Only a D that asked for it receives
-one: LeaseKit's D adds ``"leasekit_push_end": 1`` to its ``PUSH_REG`` map (vLLM's P reads the keys it knows and
-ignores others, ``push_worker.py`` ``_handle_push_reg_notif``); vLLM's D would fail to parse it
-(``push_worker.py`` ``_get_new_notifs`` splits every other notification as ``<request id>:<TP size>``).
+one: LeaseKit's D adds ``"leasekit_push_end": 1`` to its ``PUSH_REG`` map when exactly one P rank writes the request
+(P TP <= D TP, P PP 1: one lease-end then means no WRITE at all). vLLM's P reads the keys it knows and ignores
+others (``push_worker.py`` ``_handle_push_reg_notif``); vLLM's D would misread one (``push_worker.py``
+``_get_new_notifs`` splits every other notification as ``<request id>:<TP size>``, logs an error and counts it as a
+notification after expiry).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ PUSH_END_PREFIX = b"LKEND:"
 OPT_IN_KEY = "leasekit_push_end"
 """The ``PUSH_REG`` key (value 1) by which a D asks P for lease-end notifications."""
 MAX_ID_CHARS = 1024
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f,]")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 @dataclass(frozen=True)
@@ -40,11 +42,11 @@ def encode_push_end(d_request_id: str) -> bytes:
     """The lease-end notification for D's request ``d_request_id``.
 
     Raises:
-        ValueError: the id is empty, longer than :data:`MAX_ID_CHARS` characters, or has a control character or comma.
+        ValueError: the id is empty, longer than :data:`MAX_ID_CHARS` characters, or has a control character.
     """
     if not isinstance(d_request_id, str) or not 0 < len(d_request_id) <= MAX_ID_CHARS or _CONTROL.search(d_request_id):
-        raise ValueError(f"d_request_id: a request id of 1..{MAX_ID_CHARS} characters without control characters or "
-                         f"commas, got {d_request_id!r:.80}")
+        raise ValueError(f"d_request_id: a request id of 1..{MAX_ID_CHARS} characters without control characters, "
+                         f"got {d_request_id!r:.80}")
     return PUSH_END_PREFIX + d_request_id.encode()
 
 

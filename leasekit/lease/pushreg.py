@@ -65,8 +65,8 @@ holds has its id, within the hold), ``push_reg_not_allowed`` (``decode_host`` is
 the hold), ``push_reg_repeat`` (the lease already had a registration acted on: a second D rank's, a stranger's
 or a replay), ``push_reg_overflow`` (too many held at once), ``push_reg_ambiguous_id`` (its id matches more than one
 of P's leases: a client sent one ``X-Request-Id`` twice, and vLLM's writer could WRITE one prompt's KV blocks into
-the other's D blocks), ``push_reg_lease_ended`` (its id names a lease P's reap already ended: no WRITE will come;
-a D that asked for it is told, :mod:`leasekit.lease.pushend`). A failing ``live``/``allowed`` callable drops the
+the other's D blocks), ``push_reg_lease_ended`` (its id names a lease P's reap ended before any registration of it
+was accepted, within the hold: no WRITE will come; a D that asked for it is told, :mod:`leasekit.lease.pushend`). A failing ``live``/``allowed`` callable drops the
 registration as ``internal_error`` (a reason of the notification intake's own)."""
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
@@ -230,9 +230,11 @@ class PushRegGuard:
         hold_s: seconds a registration failing the lease or address rule is held before it is dropped (>= 0).
         max_bytes: size ceiling of one registration in bytes (> len(prefix)).
         max_held: registrations held at once. decode: msgpack decoder (tests).
-        reaped: ``reaped(request_id) -> bool``: whether that id names a lease P's reap ended (expired); such a
-            registration is dropped at once (``push_reg_lease_ended``), and when it asked for it
-            (:attr:`PushReg.push_end`) its sender and id wait in :meth:`take_ended` for a lease-end notification.
+        reaped: ``reaped(request_id) -> bool``: whether that id names a lease P's reap ended (expired) before any
+            registration of it was accepted; such a registration is held like an unknown one (a new grant under that
+            id may still come), then dropped as ``push_reg_lease_ended``, and when it asked for it
+            (:attr:`PushReg.push_end`) its sender and id wait in :meth:`take_ended` for a lease-end notification
+            (once per sender and id).
 
     Raises:
         ValueError: ``hold_s`` negative, ``max_bytes`` or ``max_held`` too small.
@@ -247,6 +249,7 @@ class PushRegGuard:
             raise ValueError(f"max_bytes={max_bytes}, max_held={max_held}: must be > {len(PUSH_REG_PREFIX)} and >= 1")
         self._live, self._allowed, self._decode, self._reaped = live, allowed, decode, reaped
         self._ended: list[tuple[str, str]] = []  # (sender agent, D request id) to tell that the lease ended
+        self._told: dict[tuple[str, str], None] = {}  # (sender, D request id) told already, oldest first (bounded)
         self.hold_s, self.max_bytes, self.max_held = float(hold_s), int(max_bytes), int(max_held)
         self._held: list[_Held] = []
         self._held_bytes = 0
@@ -258,6 +261,17 @@ class PushRegGuard:
     def held(self) -> int:
         """Registrations held now."""
         return len(self._held)
+
+    def _tell_ended(self, agent: str, request_id: str) -> None:
+        """Queue one lease-end notification for :meth:`take_ended`: once per sender and id (a replayed registration
+        costs no second send), at most ``max_held`` waiting."""
+        key = (str(agent), request_id)
+        if key in self._told or len(self._ended) >= self.max_held:
+            return
+        self._told[key] = None
+        if len(self._told) > MAX_MATCHED:
+            del self._told[next(iter(self._told))]
+        self._ended.append((agent, request_id))
 
     def take_ended(self) -> list[tuple[str, str]]:
         """``(sender agent, D request id)`` of the registrations dropped as ``push_reg_lease_ended`` that asked for a
@@ -317,12 +331,10 @@ class PushRegGuard:
             dropped.append((AMBIGUOUS_ID, agent, f"request {reg.request_id!r} matches more than one lease (one "
                                                  "X-Request-Id sent twice)"))
             return
-        if lease is None and self._reaped is not None and self._reaped(reg.request_id):  # no WRITE will ever come
-            dropped.append((LEASE_ENDED, agent, f"the lease of request {reg.request_id!r} already ended on P"))
-            if reg.push_end and len(self._ended) < self.max_held:
-                self._ended.append((agent, reg.request_id))
-            return
-        if lease is None:
+        if lease is None and self._reaped is not None and self._reaped(reg.request_id):
+            # no WRITE will come for it, unless a new grant under that id reaches P's worker within the hold
+            reason, detail = LEASE_ENDED, f"the lease of request {reg.request_id!r} already ended on P"
+        elif lease is None:
             reason, detail = UNKNOWN_ID, f"no lease for request {reg.request_id!r}"
         elif (address := checked_address(reg.decode_host)) is None or not self._allowed(address):
             reason, detail = NOT_ALLOWED, (f"decode_host {reg.decode_host} is not an allowed address (a side-channel "
@@ -345,6 +357,8 @@ class PushRegGuard:
             held = _Held(agent, msg, reg, now + self.hold_s, reason)
         if now >= held.until_s:
             dropped.append((reason, agent, detail))
+            if reason == LEASE_ENDED and reg.push_end:
+                self._tell_ended(agent, reg.request_id)
         else:
             held.reason = reason
             self._held.append(held)

@@ -80,7 +80,8 @@ lease was proven, docs/security.md), ``unproven_hello`` (a hello that proves no 
 connection), ``hello_not_allowed`` (a proven hello naming an address P does not allow) and ``bad_heartbeat_id``
 (one junk id of a heartbeat, counted per id: the others were handled); push mode adds the registration refusals
 of :data:`leasekit.lease.pushreg.DROP_REASONS` (``bad_push_reg``, ``push_reg_oversized``, ``push_reg_unknown_id``,
-``push_reg_not_allowed``, ``push_reg_repeat``, ``push_reg_overflow``, ``push_reg_ambiguous_id``), ``push_completion`` (a read completion
+``push_reg_not_allowed``, ``push_reg_repeat``, ``push_reg_overflow``, ``push_reg_ambiguous_id``,
+``push_reg_lease_ended``), ``push_completion`` (a read completion
 sent to a push-mode P, which frees only on its own WRITEs), and on a push-mode D ``foreign_write`` / ``duplicate_write``
 (a WRITE notification from an agent that is not one of the request's P engine, or a repeat from one:
 :mod:`leasekit.vllm.decode.writenotes`); ``backlog_full`` (push-mode P: a notification the writer thread forwarded

@@ -258,8 +258,8 @@ class LeaseKitPushWorker(LeaseKitWorkerMixin, PushEndHooks, PHooks, DHooks, Nixl
         for req_id in flow.take_refused():
             self._lk_stats.push_write("refused")
             self._lk_late_warning.warn("LeaseKit: P did not WRITE request %s: its lease had expired before P's writer "
-                                       "thread reached it (its KV blocks may have been reused); D gets no KV for it and "
-                                       "waits until vLLM's registration timeout or the client gives up",
+                                       "thread reached it (its KV blocks may have been reused); a LeaseKit D is told and "
+                                       "recomputes it, a stock D waits for it until its client gives up",
                                        req_id, event="write_refused")
         self._lk_failed, self._lk_late = [], []
 

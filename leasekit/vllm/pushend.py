@@ -1,14 +1,16 @@
 """The lease-end notification of :class:`leasekit.vllm.push.LeaseKitPushWorker` (:mod:`leasekit.lease.pushend`), on
 both sides:
 
-- D asks for it: every registration it sends P carries ``"leasekit_push_end": 1``;
+- D asks for it: a registration it sends P carries ``"leasekit_push_end": 1`` when one P rank WRITEs its request;
 - P tells D (writer thread) when no WRITE will come for a registration that asked: the writer refused the WRITE of a
-  lease P's reap had already ended (to every agent of that D engine), or a registration arrived for such a lease
-  (``push_reg_lease_ended``; to the agent that sent it, only if P knows that agent from a handshake);
+  lease P's reap had already ended (to every D rank of that engine this P rank has handshaked with), or a
+  registration arrived for a lease P reaped before accepting any registration of it (``push_reg_lease_ended``, once
+  the hold ran out; to the agent that sent it, only if P knows that agent from a handshake; once per agent and id);
 - D, on a lease-end notification from an agent of the P engine the request registered with, for a request it still
   waits on, fails that request's load through vLLM's own path (``_failed_recv_reqs``, ``base_worker.py``
   ``get_finished``): vLLM recomputes it (``kv_load_failure_policy``), or frees the blocks of one its client already
-  abandoned. Anything else is counted and dropped (``bad_id``, ``unknown_id``, ``foreign_write``).
+  abandoned. Anything else is counted and dropped (``bad_id``, ``unknown_id``, ``foreign_write``). An agent name is
+  the sender's claim: this keeps strangers out, not a peer that impersonates P's agent name.
 """
 
 from __future__ import annotations
@@ -27,10 +29,17 @@ class PushEndHooks:
 
     def _lk_ask_for_push_end(self, metadata: Any) -> None:
         """D: mark this step's registrations (``metadata.push_registrations``: D request id -> ``PUSH_REG`` map) as
-        asking for lease-end notifications. Never raises."""
+        asking for lease-end notifications, each one whose request exactly one P rank WRITEs (P PP 1 and P TP <= D
+        TP; vLLM's D waits for ``pp_size * max(1, P TP // D TP)`` WRITE notifications, ``push_worker.py``
+        ``_get_new_notifs``): with several, one P rank's lease end could come while another's WRITE is in flight.
+        Never raises."""
         try:
+            world = max(1, int(getattr(self, "world_size", 1)))
             for reg_data in (getattr(metadata, "push_registrations", None) or {}).values():
-                if isinstance(reg_data, dict):
+                if not isinstance(reg_data, dict):
+                    continue
+                producers = int(reg_data.get("remote_pp_size", 1)) * max(1, int(reg_data.get("remote_tp_size", 1)) // world)
+                if producers == 1:
                     reg_data[OPT_IN_KEY] = 1
         except Exception as exc:
             self._lk_errors.report("push_end", exc)

@@ -8,7 +8,8 @@ notification tap on the writer thread): registrations go through :class:`leaseki
 and only the accepted ones reach vLLM's writer; every other notification is kept *with its sender* for the
 engine thread (:meth:`PushFlow.take_notifications`), where P's notification intake binds heartbeats to their D
 agent as in pull mode. What the writer thread learns (drops, WRITEs issued) is queued and recorded on the engine
-thread (:meth:`PushFlow.record`): spans, metrics and logs are only ever touched there.
+thread (:meth:`PushFlow.record`): spans and metrics are only ever touched there (the writer thread logs only the
+lease-end notifications it sends, :mod:`leasekit.vllm.pushend`).
 
 Because the writer thread alone drains NIXL in push mode, P's engine thread knows D's heartbeats only up to the
 instant the writer's last forwarded poll began (:attr:`PushFlow.heard_until`); a writer that stalls (a slow WRITE
@@ -98,7 +99,9 @@ class PushFlow:
         self.submitting: str | None = None
         """The lease whose WRITE the writer is submitting now (the reap holds it back: :meth:`reap_hold`)."""
         self._reaped: dict[str, None] = {}  # leases the reap ended, oldest first (bounded: REAPED_KEPT)
-        self._reaped_bases: dict[str, int] = {}  # base id -> how many of _reaped have it
+        self._registered: dict[str, None] = {}  # leases with an accepted registration, newest last (REAPED_KEPT)
+        self._unregistered: dict[str, None] = {}  # of _reaped, those reaped before any registration was accepted
+        self._reaped_bases: dict[str, int] = {}  # base id -> how many of _unregistered have it
         self._overflow_warning = RateLimitedWarning(lease_logger())
         self.lost_at: float | None = None
         """When the writer last dropped a forwarded notification for want of room (perf_counter s), or None."""
@@ -147,6 +150,9 @@ class PushFlow:
         with self._lock:
             for agent, msg, reg, lease in accepted:
                 self._agents[lease] = agent
+                self._registered[lease] = None  # before its WRITE can be issued: never told it ended by registration
+                if len(self._registered) > REAPED_KEPT:
+                    del self._registered[next(iter(self._registered))]
                 if reg.push_end:
                     self._ends[lease] = reg.request_id
         for agent, msg, _reg, lease in accepted:
@@ -195,9 +201,11 @@ class PushFlow:
             return self._ends.pop(req_id, None)
 
     def was_reaped(self, request_id: str) -> bool:
-        """Whether ``request_id`` (or its base id, :func:`base_request_id`) names a lease P's reap ended that was not
-        granted again since (among the newest :data:`REAPED_KEPT`). Writer thread; reads only."""
-        return request_id in self._reaped or base_request_id(request_id) in self._reaped_bases
+        """Whether ``request_id`` (or its base id, :func:`base_request_id`) names a lease P's reap ended before any
+        registration of it was accepted (among the newest :data:`REAPED_KEPT` reaped): no WRITE of it was ever
+        issued, so D may be told it ended. A lease that had one may have a WRITE in flight: only the writer's refusal
+        (:meth:`refused`) tells D about it. Writer thread; reads only."""
+        return request_id in self._unregistered or base_request_id(request_id) in self._reaped_bases
 
     def take_refused(self) -> list[str]:
         """The leases whose WRITE the writer refused since the last call (engine thread), oldest first."""
@@ -259,10 +267,13 @@ class PushFlow:
         """P's reap expired ``req_ids`` (engine thread, :attr:`write_lock` held): the writer must not WRITE from
         their blocks. The newest :data:`REAPED_KEPT` are remembered (a WRITE comes within seconds of its grant)."""
         reaped = self._reaped
+        with self._lock:  # the writer thread marks registered leases under it
+            unregistered = [r for r in req_ids if r not in reaped and r not in self._registered]
+        for req_id in unregistered:
+            base = base_request_id(req_id)
+            self._reaped_bases[base] = self._reaped_bases.get(base, 0) + 1
+            self._unregistered[req_id] = None
         for req_id in req_ids:
-            if req_id not in reaped:
-                base = base_request_id(req_id)
-                self._reaped_bases[base] = self._reaped_bases.get(base, 0) + 1
             reaped[req_id] = None
             self._agents.pop(req_id, None)  # registered, never written: nothing will pop it
         while len(reaped) > REAPED_KEPT:
@@ -270,7 +281,8 @@ class PushFlow:
 
     def _unreap(self, req_id: str) -> None:
         """Forget that the reap ended ``req_id`` (:attr:`write_lock` held)."""
-        if self._reaped.pop(req_id, False) is None:
+        self._reaped.pop(req_id, None)
+        if self._unregistered.pop(req_id, False) is None:
             base = base_request_id(req_id)
             left = self._reaped_bases.get(base, 1) - 1
             if left > 0:

@@ -32,10 +32,10 @@ def test_the_lease_end_notification_round_trips_and_refuses_what_is_not_an_id():
     msg = encode_push_end("cmpl-x-0-1a2b3c4d")
     assert msg == PUSH_END_PREFIX + b"cmpl-x-0-1a2b3c4d" and is_push_end(msg) and not is_push_end(b"HB:x")
     assert decode_push_end(msg) == "cmpl-x-0-1a2b3c4d"
-    for bad in (PUSH_END_PREFIX, PUSH_END_PREFIX + b"\xff\xfe", PUSH_END_PREFIX + b"a\x00b", PUSH_END_PREFIX + b"a,b",
-                PUSH_END_PREFIX + b"x" * 5000):
+    assert decode_push_end(encode_push_end("a,b")) == "a,b"  # registration ids may hold commas
+    for bad in (PUSH_END_PREFIX, PUSH_END_PREFIX + b"\xff\xfe", PUSH_END_PREFIX + b"a\x00b", PUSH_END_PREFIX + b"x" * 5000):
         assert isinstance(decode_push_end(bad), PushEndError) and decode_push_end(bad).reason == "bad_id"
-    for bad_id in ("", "a,b", "x" * 1025, "a\nb"):
+    for bad_id in ("", "x" * 1025, "a\nb"):
         with pytest.raises(ValueError, match="d_request_id: a request id of 1..1024 characters"):
             encode_push_end(bad_id)
 
@@ -47,18 +47,24 @@ def test_a_registration_asks_for_it_only_with_the_integer_one():
     assert not decode_push_reg(reg("r", ask=False), max_bytes=1 << 20).push_end
 
 
-def make_flow():
+def make_flow(now=None):
     leases: dict[str, float] = {}
     drops: list[tuple[str, str, str]] = []
     told: list[tuple[str, str]] = []
+    now = now if now is not None else [0.0]
     flow = PushFlow(leases, allowed=lambda host: host == "10.0.0.2", hold_s=1.0, max_bytes=1 << 20,
-                    drop=lambda reason, agent, detail: drops.append((reason, agent, detail)), clock=lambda: 0.0,
+                    drop=lambda reason, agent, detail: drops.append((reason, agent, detail)), clock=lambda: now[0],
                     notify_end=lambda agent, rid: told.append((agent, rid)))
     return flow, leases, drops, told
 
 
-def test_a_registration_for_a_reaped_lease_is_dropped_at_once_and_its_d_told_if_it_asked():
-    flow, leases, drops, told = make_flow()
+RECORDER = type("R", (), {"grant_time": lambda s, r: None, "annotate": lambda s, r, a: True})()
+STATS = type("S", (), {"push_write": lambda s, o: None, "dropped": lambda s, r, c: None})()
+
+
+def test_a_registration_for_a_lease_reaped_unregistered_is_dropped_after_the_hold_and_its_d_told_once():
+    now = [0.0]
+    flow, leases, drops, told = make_flow(now)
     for lease in ("cmpl-a-0-1a2b3c4d", "cmpl-b-0-1a2b3c4d"):
         leases[lease] = 6.0
         flow.granted(lease)
@@ -68,14 +74,49 @@ def test_a_registration_for_a_reaped_lease_is_dropped_at_once_and_its_d_told_if_
         flow.reaped(["cmpl-a-0-1a2b3c4d", "cmpl-b-0-1a2b3c4d"])
     assert flow.was_reaped("cmpl-a-0-99999999") and not flow.was_reaped("cmpl-c-0-99999999")
     batch = {"d-agent": [reg("cmpl-a-0-99999999"), reg("cmpl-b-0-99999999", ask=False), reg("cmpl-c-0-99999999")]}
-    assert flow.writer_batch(batch) == {}
-    assert told == [("d-agent", "cmpl-a-0-99999999")]  # the one that asked; never the unknown one (held, not ended)
-    flow.record(type("R", (), {"grant_time": lambda s, r: None, "annotate": lambda s, r, a: True})(),
-                type("S", (), {"push_write": lambda s, o: None, "dropped": lambda s, r, c: None})())
-    assert [reason for reason, _, _ in drops] == [LEASE_ENDED, LEASE_ENDED]
-    leases["cmpl-a-0-5e6f7a8b"] = 12.0  # a new grant under that id: registrations match it again
+    assert flow.writer_batch(batch) == {} and told == []  # held: a new grant under that id may still come
+    now[0] = 1.0
+    assert flow.writer_batch({"d-agent": [reg("cmpl-a-0-99999999")] * 3}) == {}  # a replay: told once
+    assert told == [("d-agent", "cmpl-a-0-99999999")]  # the one that asked; never the unknown one
+    now[0] = 2.0
+    flow.writer_batch({})
+    flow.record(RECORDER, STATS)
+    assert sorted(reason for reason, _, _ in drops) == ["push_reg_lease_ended"] * 5 + ["push_reg_unknown_id"]
+    assert told == [("d-agent", "cmpl-a-0-99999999")]
+
+
+def test_a_new_grant_within_the_hold_takes_the_registration_instead():
+    now = [0.0]
+    flow, leases, _, told = make_flow(now)
+    leases["cmpl-a-0-1a2b3c4d"] = 6.0
+    flow.granted("cmpl-a-0-1a2b3c4d")
+    del leases["cmpl-a-0-1a2b3c4d"]
+    with flow.write_lock:
+        flow.reaped(["cmpl-a-0-1a2b3c4d"])
+    assert flow.writer_batch({"d-agent": [reg("cmpl-a-0-77777777")]}) == {}  # a retry's registration before its grant
+    leases["cmpl-a-0-5e6f7a8b"] = 12.0
     flow.granted("cmpl-a-0-5e6f7a8b")
-    assert flow.writer_batch({"d-agent": [reg("cmpl-a-0-77777777")]}) == {"d-agent": [reg("cmpl-a-0-77777777")]}
+    now[0] = 0.5
+    assert flow.writer_batch({}) == {"d-agent": [reg("cmpl-a-0-77777777")]} and told == []
+
+
+def test_no_registration_ever_tells_d_about_a_lease_that_had_one_accepted_its_write_may_be_in_flight():
+    now = [0.0]
+    flow, leases, drops, told = make_flow(now)
+    leases["r-1a2b3c4d"] = 6.0
+    flow.granted("r-1a2b3c4d")
+    assert flow.writer_batch({"d-rank0": [reg("r-99999999")]})
+    flow.issued("r-1a2b3c4d", handles=1)  # the WRITE is in flight when the lease expires
+    del leases["r-1a2b3c4d"]
+    with flow.write_lock:
+        flow.reaped(["r-1a2b3c4d"])
+    flow.ended("r-1a2b3c4d")
+    assert not flow.was_reaped("r-99999999")
+    assert flow.writer_batch({"d-rank1": [reg("r-99999999")]}) == {}  # D TP > P TP: the second D rank's registration
+    now[0] = 5.0
+    flow.writer_batch({})
+    flow.record(RECORDER, STATS)
+    assert told == [] and [reason for reason, _, _ in drops] == ["push_reg_unknown_id"]
 
 
 def test_a_refused_write_names_ds_request_only_when_its_registration_asked_and_survives_the_leases_end():
@@ -143,10 +184,15 @@ def test_d_fails_the_load_only_on_a_lease_end_from_its_p_engine_for_a_request_it
     assert worker._failed_recv_reqs.get_nowait() == "waits" and worker._lk_hb.notes == [("waits", "lease_ended_by_p")]
 
 
-def test_d_asks_for_lease_ends_in_every_registration(worker):
-    meta = type("Meta", (), {"push_registrations": {"a": {"request_id": "a"}, "b": {"request_id": "b"}}})()
-    worker._lk_ask_for_push_end(meta)
-    assert all(r[OPT_IN_KEY] == 1 for r in meta.push_registrations.values())
+def test_d_asks_for_lease_ends_only_where_one_p_rank_writes_the_request(worker):
+    regs = {"one": {"remote_tp_size": 1, "remote_pp_size": 1}, "tp": {"remote_tp_size": 2, "remote_pp_size": 1},
+            "pp": {"remote_tp_size": 1, "remote_pp_size": 2}, "old": {}}
+    worker.world_size = 1
+    worker._lk_ask_for_push_end(type("Meta", (), {"push_registrations": regs})())
+    assert [rid for rid, r in regs.items() if r.get(OPT_IN_KEY) == 1] == ["one", "old"]
+    worker.world_size = 2  # D TP 2, P TP 2: one P rank per D rank
+    worker._lk_ask_for_push_end(type("Meta", (), {"push_registrations": regs})())
+    assert regs["tp"][OPT_IN_KEY] == 1 and OPT_IN_KEY not in regs["pp"]
 
 
 def test_p_tells_every_agent_of_the_d_engine_or_only_a_known_registering_agent(worker):
@@ -156,7 +202,7 @@ def test_p_tells_every_agent_of_the_d_engine_or_only_a_known_registering_agent(w
     worker._lk_end_to_agent("stranger", "cmpl-d-0-1a2b3c4d")  # P dials no agent it has not handshaked with
     worker._lk_end_to_agent(b"d-agent-1", "cmpl-d-0-1a2b3c4d")  # the sender of a registration, as NIXL names it
     assert worker.sent == [("d-agent-1", b"LKEND:cmpl-d-0-1a2b3c4d")]
-    worker._lk_send_push_end({"d-agent-0"}, "bad,id")
+    worker._lk_send_push_end({"d-agent-0"}, "bad\nid")
     assert worker._lk_errors.errors == ["push_end"] and len(worker.sent) == 1
 
 
@@ -166,6 +212,6 @@ def test_any_bytes_after_the_prefix_decode_to_an_id_or_bad_id_never_an_exception
     assert (isinstance(got, PushEndError) and got.reason == "bad_id") or encode_push_end(got) == PUSH_END_PREFIX + body
 
 
-@given(st.text(min_size=1, max_size=1024).filter(lambda t: not any(c in t for c in ",") and t.isprintable()))
+@given(st.text(min_size=1, max_size=1024).filter(str.isprintable))
 def test_every_printable_id_round_trips(rid):
     assert decode_push_end(encode_push_end(rid)) == rid
