@@ -170,8 +170,9 @@ _CLASSES_032 = (
         "tp_rank", "engine_id",
         "_failed_recv_reqs",  # D: a withheld registration's receive is failed through it (push.py _lk_withhold_lapsed)
         "_remote_agents", "_handshake_lock",  # D: the P agents a WRITE notification may come from (push.py)
+        "_push_writer_wake",  # P: woken when held registrations' hold ends (pushflow.py); D: lease ends (pushend.py)
     ), writes={"_push_writer_loop": ("get_new_notifs", "startswith", "_handle_push_reg_notif",
-                                     "_pending_completion_notifs"),
+                                     "_pending_completion_notifs", "_push_writer_wake"),
                "get_transfer_results": ("_pop_done_transfers", "_sending_transfers", "finished_sending")}),
     ClassNeeds(f"{NIXL}.push_scheduler", "NixlPushConnectorScheduler", methods={
         "__init__": _WORKER_INIT, "request_finished": ("self", "request", "block_ids"),

@@ -99,7 +99,8 @@ class LeaseKitPushWorker(LeaseKitWorkerMixin, PushEndHooks, PHooks, DHooks, Nixl
         or its address (the grant and the side-channel peer reach the worker one engine step after they happen)."""
         self._lk_flow = PushFlow(self._reqs_to_send, allowed=self._lk_p.replies.allowed,
                                  hold_s=max(timing.heartbeat_interval_s, MIN_HOLD_S), max_bytes=max_bytes,
-                                 drop=self._lk_p.intake.drop, notify_end=self._lk_end_to_agent)
+                                 drop=self._lk_p.intake.drop, notify_end=self._lk_end_to_agent,
+                                 wake=self._push_writer_wake.set)
         self._lk_tap.flow = self._lk_flow
         self._lk_late: list[str] = []
         self._lk_failed: list[str] = []

@@ -68,13 +68,19 @@ class PushFlow:
         notify_end: ``notify_end(agent, d_request_id)``, called on the writer thread for each registration dropped
             because its lease was already reaped whose D asked to be told (:mod:`leasekit.lease.pushend`); None: nobody
             is told.
+        wake: ``wake()`` wakes vLLM's writer thread (its ``_push_writer_wake``). While the guard holds registrations,
+            :meth:`writer_batch` arranges a wake once their hold has run out: vLLM's writer polls again only when
+            woken (by an engine step) or while it has prefills waiting for a registration, and an idle P steps no
+            more, so a held registration would otherwise wait for the next request to be decided.
     """
 
     def __init__(self, reqs_to_send: Mapping[str, float], *, allowed: Callable[[str], bool], hold_s: float, max_bytes: int,
                  drop: Callable[[str, Any, str], None], clock: Callable[[], float] = time.perf_counter,
-                 notify_end: Callable[[str, str], None] | None = None):
+                 notify_end: Callable[[str, str], None] | None = None, wake: Callable[[], None] | None = None):
         self._reqs_to_send = reqs_to_send
         self._notify_end = notify_end
+        self._wake = wake
+        self._wake_timer: threading.Timer | None = None  # writer thread only
         self._bases: dict[str, str] = {}  # base id -> its one live lease, or AMBIGUOUS (read by the writer thread)
         self._clashes: dict[str, set[str]] = {}  # base id -> its live leases while it is AMBIGUOUS (engine thread)
         self._drop = drop
@@ -146,6 +152,10 @@ class PushFlow:
         for agent, d_request_id in self.guard.take_ended():
             if self._notify_end is not None:
                 self._notify_end(agent, d_request_id)
+        if self._wake is not None and self.guard.held and (self._wake_timer is None or not self._wake_timer.is_alive()):
+            self._wake_timer = threading.Timer(self.guard.hold_s + 0.05, self._wake)  # decide them when their hold ends
+            self._wake_timer.daemon = True
+            self._wake_timer.start()
         out: dict[str, list[bytes]] = {}
         with self._lock:
             for agent, msg, reg, lease in accepted:

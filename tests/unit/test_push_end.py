@@ -215,3 +215,17 @@ def test_any_bytes_after_the_prefix_decode_to_an_id_or_bad_id_never_an_exception
 @given(st.text(min_size=1, max_size=1024).filter(str.isprintable))
 def test_every_printable_id_round_trips(rid):
     assert decode_push_end(encode_push_end(rid)) == rid
+
+
+def test_a_held_registration_wakes_vllms_writer_when_its_hold_ends():
+    """vLLM's writer polls again only when woken: an idle P would otherwise never decide a held registration."""
+    woken = threading.Event()
+    now = [0.0]
+    leases: dict[str, float] = {}
+    flow = PushFlow(leases, allowed=lambda host: True, hold_s=0.2, max_bytes=1 << 20, drop=lambda *a: None,
+                    clock=lambda: now[0], wake=woken.set)
+    assert flow.writer_batch({"d": [reg("nobody-99999999")]}) == {} and flow.guard.held == 1
+    assert not woken.wait(0.1) and woken.wait(2.0)  # after the hold (0.2 s), not before
+    first = flow._wake_timer
+    flow.writer_batch({})
+    assert flow._wake_timer is first or not first.is_alive()  # one pending wake at a time
