@@ -76,6 +76,29 @@ def local_generation(pair: PDPair, prompt: list[int], max_tokens: int) -> list[i
     return response.json()["choices"][0]["token_ids"]
 
 
+MIXED_SPECS = [PairSpec.pinned(prefill_connector=p, decode_connector=d, transfer_mode="push", lease_duration_s=L,
+                               decode_kv_load_failure_policy="fail")
+               for p, d in (("leasekit", "stock"), ("stock", "leasekit"))]
+
+
+# first in the module: its pairs start before the module's shared pairs run (a running P takes a core)
+@pytest.mark.parametrize("spec", MIXED_SPECS, ids=["leasekit-P-stock-D", "stock-P-leasekit-D"])
+def test_a_mixed_push_pair_writes_the_kv_blocks_of_a_local_prefill(vllm_available, tmp_path, spec):
+    """LeaseKitPushConnector speaks the stock push wire both ways: a LeaseKit D's registrations (which carry its
+    request for lease-end notifications) are WRITEn by a stock P, a stock D is WRITEn by a LeaseKit P (and is never
+    sent a lease-end notification, which it could not parse), with the tokens of a local prefill."""
+    with PREFETCH.pair_for(spec, tmp_path / "run") as pair:
+        for length in (32, 80):
+            prompt = pair.prompt(length)
+            routed = pair.router.generate(prompt, TOKENS)
+            assert routed.prefill.ok, routed.prefill.error
+            assert routed.decode is not None and routed.decode.ok, routed.decode and routed.decode.error
+            assert routed.decode.token_ids == local_generation(pair, prompt, TOKENS)
+        for log in (pair.prefill.log_path.read_text(errors="replace"), pair.decode.log_path.read_text(errors="replace")):
+            assert "Releasing expired KV blocks" not in log  # P freed on its WRITE: nothing waited for a lease
+            assert "LeaseKit: told D" not in log and "Unrecognized request" not in log
+
+
 def test_push_pair_runs_vllms_push_connector(push_pair):
     config = push_pair.prefill.spec.kv_transfer_config(push_pair.run_dir)
     assert config["kv_connector"] == "NixlPushConnector"
@@ -290,24 +313,3 @@ def test_push_only_dashboard_panels_show_data_from_a_real_prometheus(lk_push_pai
         empty = [f"{where}: {expr}" for where, expr in queries if not prom.query_range(expr, t0, time.time(), 1.0)]
     assert not empty, "push-only panel queries without data:\n" + "\n".join(empty)
 
-
-MIXED_SPECS = [PairSpec.pinned(prefill_connector=p, decode_connector=d, transfer_mode="push", lease_duration_s=L,
-                               decode_kv_load_failure_policy="fail")
-               for p, d in (("leasekit", "stock"), ("stock", "leasekit"))]
-
-
-@pytest.mark.parametrize("spec", MIXED_SPECS, ids=["leasekit-P-stock-D", "stock-P-leasekit-D"])
-def test_a_mixed_push_pair_writes_the_kv_blocks_of_a_local_prefill(vllm_available, tmp_path, spec):
-    """LeaseKitPushConnector speaks the stock push wire both ways: a LeaseKit D's registrations (which carry its
-    request for lease-end notifications) are WRITEn by a stock P, a stock D is WRITEn by a LeaseKit P (and is never
-    sent a lease-end notification, which it could not parse), with the tokens of a local prefill."""
-    with PREFETCH.pair_for(spec, tmp_path / "run") as pair:
-        for length in (32, 80):
-            prompt = pair.prompt(length)
-            routed = pair.router.generate(prompt, TOKENS)
-            assert routed.prefill.ok, routed.prefill.error
-            assert routed.decode is not None and routed.decode.ok, routed.decode and routed.decode.error
-            assert routed.decode.token_ids == local_generation(pair, prompt, TOKENS)
-        for log in (pair.prefill.log_path.read_text(errors="replace"), pair.decode.log_path.read_text(errors="replace")):
-            assert "Releasing expired KV blocks" not in log  # P freed on its WRITE: nothing waited for a lease
-            assert "LeaseKit: told D" not in log and "Unrecognized request" not in log
