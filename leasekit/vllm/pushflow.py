@@ -105,7 +105,7 @@ class PushFlow:
         self.submitting: str | None = None
         """The lease whose WRITE the writer is submitting now (the reap holds it back: :meth:`reap_hold`)."""
         self._reaped: dict[str, None] = {}  # leases the reap ended, oldest first (bounded: REAPED_KEPT)
-        self._registered: dict[str, None] = {}  # leases with an accepted registration, newest last (REAPED_KEPT)
+        self._registered: dict[str, None] = {}  # live leases with an accepted registration (until ended or pruned)
         self._unregistered: dict[str, None] = {}  # of _reaped, those reaped before any registration was accepted
         self._reaped_bases: dict[str, int] = {}  # base id -> how many of _unregistered have it
         self._overflow_warning = RateLimitedWarning(lease_logger())
@@ -161,8 +161,6 @@ class PushFlow:
             for agent, msg, reg, lease in accepted:
                 self._agents[lease] = agent
                 self._registered[lease] = None  # before its WRITE can be issued: never told it ended by registration
-                if len(self._registered) > REAPED_KEPT:
-                    del self._registered[next(iter(self._registered))]
                 if reg.push_end:
                     self._ends[lease] = reg.request_id
         for agent, msg, _reg, lease in accepted:
@@ -251,10 +249,12 @@ class PushFlow:
             live = self._reqs_to_send
             self._clashes = {b: kept for b, m in self._clashes.items() if (kept := {r for r in m if r in live})}
             self._bases = {b: r for b, r in self._bases.items() if r in live or (r == AMBIGUOUS and b in self._clashes)}
-        if len(self._agents) + len(self._ends) > 4096 + 4 * len(self._reqs_to_send):  # registered, never written
-            with self._lock:  # the writer thread inserts under it
+        if len(self._agents) + len(self._ends) + len(self._registered) > 4096 + 4 * len(self._reqs_to_send):
+            with self._lock:  # the writer thread inserts under it; leases that ended unseen (aborts): prune
                 for lease in [lease for lease in self._agents if lease not in self._reqs_to_send]:
                     del self._agents[lease]
+                for lease in [lease for lease in self._registered if lease not in self._reqs_to_send]:
+                    del self._registered[lease]
                 for lease in [lease for lease in self._ends if lease not in self._reqs_to_send and lease not in self._reaped]:
                     del self._ends[lease]
 
@@ -268,8 +268,9 @@ class PushFlow:
             if not self._clashes[base]:
                 del self._clashes[base], self._bases[base]
         self._agents.pop(req_id, None)
-        if req_id not in self._reaped:  # a reaped one waits for the writer to refuse its WRITE and tell D
-            with self._lock:
+        with self._lock:
+            self._registered.pop(req_id, None)  # the reap has looked at it already (reaped() runs before this)
+            if req_id not in self._reaped:  # a reaped one waits for the writer to refuse its WRITE and tell D
                 self._ends.pop(req_id, None)
         self.guard.forget(req_id)
 

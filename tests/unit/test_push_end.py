@@ -229,3 +229,23 @@ def test_a_held_registration_wakes_vllms_writer_when_its_hold_ends():
     first = flow._wake_timer
     flow.writer_batch({})
     assert flow._wake_timer is first or not first.is_alive()  # one pending wake at a time
+
+
+def test_a_registered_lease_is_remembered_until_it_ends_however_many_others_come_meanwhile():
+    flow, leases, _, _ = make_flow()
+    leases["old-1a2b3c4d"] = 6.0
+    flow.granted("old-1a2b3c4d")
+    assert flow.writer_batch({"d": [reg("old-99999999")]})  # its WRITE may now be issued
+    for i in range(5000):  # a busy P: thousands of leases registered, written and ended while it waits
+        rid = f"r{i}-1a2b3c4d"
+        leases[rid] = 6.0
+        flow.granted(rid)
+        flow.writer_batch({"d": [reg(f"r{i}-99999999")]})
+        del leases[rid]
+        flow.ended(rid)
+    del leases["old-1a2b3c4d"]
+    with flow.write_lock:
+        flow.reaped(["old-1a2b3c4d"])
+    assert not flow.was_reaped("old-99999999")  # a second D rank's registration is never answered with a lease end
+    flow.ended("old-1a2b3c4d")
+    assert not flow._registered and not flow.was_reaped("old-99999999")  # bounded by the live leases
