@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from leasekit.lease.pushend import asked_for_push_end
+from leasekit.lease.pushend import ID_FORBIDDEN, MAX_ID_CHARS, asked_for_push_end  # one id rule for both messages
 
 PUSH_REG_PREFIX = b"PUSH_REG:"
 """vLLM's ``PUSH_REG_NOTIF_PREFIX`` (``nixl/metadata.py``): a registration is this prefix + msgpack."""
@@ -46,7 +46,6 @@ MAX_MATCHED = 65536
 MAX_BLOCK_IDS = 1 << 20
 """Block ids one registration may name, all groups together."""
 MAX_BLOCK_ID = (1 << 31) - 1
-MAX_ID_CHARS = 1024
 MAX_TP_SIZE = 1024
 
 BAD = "bad_push_reg"
@@ -69,7 +68,6 @@ the other's D blocks), ``push_reg_lease_ended`` (its id names a lease P's reap e
 was accepted, within the hold: no WRITE will come; a D that asked for it is told, :mod:`leasekit.lease.pushend`). A failing ``live``/``allowed`` callable drops the
 registration as ``internal_error`` (a reason of the notification intake's own)."""
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 _HOSTNAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}"
                        r"[A-Za-z0-9])?)*")
 LOOPBACK_NAME = "localhost"
@@ -134,7 +132,7 @@ def _msgpack_decode(data: bytes) -> Any:
 
 def _text(reg: dict, key: str, limit: int) -> str | PushRegError:
     value = reg.get(key)
-    if type(value) is not str or not 0 < len(value) <= limit or _CONTROL.search(value):
+    if type(value) is not str or not 0 < len(value) <= limit or ID_FORBIDDEN.search(value):
         return PushRegError(BAD, f"{key}: must be a string of 1..{limit} characters with no control character")
     return value
 
