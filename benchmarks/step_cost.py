@@ -210,6 +210,8 @@ def run_blocked(v, args: argparse.Namespace, tmp: Path, model_dir: str) -> dict:
         driver = M.PDriver(sides, n)
         reps = M.split(args.blocked_steps, args.rounds)
         M.interleave(list(by_label), args.rounds, lambda label, k: driver.notif_block(by_label[label], reps[k]))
+        for side in sides:  # counts are read once every ended lease's span reached the sinks (built off-step)
+            K.settle(side.worker)
         entry = {"n": n, "steps": args.blocked_steps, "otlp_timeout_s": args.blocked_otlp_timeout,
                  **{label: {**driver.samples[label].summary(), **K.unexported(by_label[label].worker)}
                     for label in by_label}}

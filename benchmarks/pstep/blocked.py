@@ -115,6 +115,13 @@ def otlp_env(url: str, timeout_s: float = OTLP_TIMEOUT_S) -> dict[str, str | Non
     return {**dict.fromkeys(OTLP_CLEARED_ENV), **dict(zip(OTLP_SET_ENV, (url, OTLP_PROTOCOL, f"{timeout_s:g}")))}
 
 
+def settle(worker: Any, timeout_s: float = 10.0) -> bool:
+    """Wait up to ``timeout_s`` seconds until the worker's span builder has built every ended lease's
+    span and handed it to the span processors (spans are built off the engine step, so counts read
+    right after the timed steps may miss the last ones). True if nothing is left to build; never raises."""
+    return worker._lk_spans.flush(timeout_s)
+
+
 def unexported(worker: Any) -> dict[str, int]:
     """Spans the worker dropped (queue full, shutdown, or never built: the span builder's own queue)
     and failed to export (in export calls that failed or timed out), summed over its sinks, as its

@@ -108,3 +108,34 @@ def test_stop_ends_a_paused_spare_at_once(servers):
         spare.stop(grace_s=5)
         assert time.monotonic() - started < 4  # SIGTERM acted on at once, no wait for the SIGKILL
     assert all(_state(pid) in (None, "Z") for pid in pids)
+
+
+def test_a_stall_of_a_pair_server_holds_warming_spares_for_its_duration(servers):
+    """A SIGSTOP stall of D run by ``FaultRun.run`` (the chaos runner's own path) holds a spare still
+    warming up while D is stopped (the reclaim deadlines fall there and P's step is judged against
+    the tick) and resumes it with D; a kill or an armed writer stall holds nothing."""
+    from types import SimpleNamespace
+
+    from leasekit.chaos import actions
+    from leasekit.chaos.schema import KillFault, StallFault
+    from leasekit.lease.config import LeaseTiming
+
+    spare, decode = servers("spare", idle=True), servers("decode", idle=False)
+    seen = []
+
+    def watch():
+        time.sleep(0.7)
+        seen.append((_stopped(decode), _stopped(spare), spare.paused))
+
+    watcher = threading.Thread(target=watch)
+    run = actions.FaultRun(SimpleNamespace(decode=decode, prefill=None),
+                           [StallFault(kind="stall", method="sigstop", duration_s=1.5)], [0.0], LeaseTiming(6, 1, 4))
+    watcher.start()
+    run.run(time.monotonic())
+    watcher.join()
+    assert seen == [(True, True, True)]
+    assert [e.took_effect for e in run.effects] == [True]
+    assert procs.wait_until(lambda: _running(spare) and _running(decode), 5) and not spare.paused
+    for fault in (KillFault(kind="kill"), StallFault(kind="stall", method="push_writer", target="prefill", duration_s=1)):
+        with actions._quiet_during(fault) as held:
+            assert held is None and _running(spare) and not spare.paused
