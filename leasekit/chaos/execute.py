@@ -26,6 +26,7 @@ from leasekit.chaos.schema import PartitionFault
 from leasekit.chaos.traffic import PrefillTraffic
 from leasekit.chaos.workload import QueuedDecodeLoad
 from leasekit.cluster.pair import PDPair
+from leasekit.telemetry import semconv as sc
 
 
 def target_connectors(target: str) -> dict[str, str]:
@@ -114,7 +115,9 @@ class ScenarioExecution:
     def silence_effects(self, evidence: Evidence) -> list[Effect]:
         """Evidence on P's side that D really went quiet: for each interval the fault run expects
         silence in (a stall, dropped heartbeat batches), the gap between the heartbeats P handled
-        around it (any lease of this run) must be at least the expected length."""
+        around it (any lease of this run) must be at least the expected length. The gap ends at the
+        first heartbeat after the interval's middle, or an expiry; when neither came, at the first
+        release at or after the interval's end (a lease P kept without hearing a heartbeat)."""
         run = self.fault_run
         if run is None or not run.silences:
             return []
@@ -136,13 +139,15 @@ class ScenarioExecution:
             after = [(t, "heartbeat") for t in beats if t > mid]
             # a lease that expired in the silence got no heartbeat after it: the silence ends there
             after += [(l.end_s, "expiry") for l in evidence.leases if l.outcome == "expired" and l.end_s > before[-1]]
+            if not after:  # released with no heartbeat first (WRITEs a writer stall held): a release ends the gap
+                after = [(l.end_s, "release") for l in evidence.leases if l.outcome == sc.OUTCOME_RELEASED and l.end_s >= b]
             if not after:
                 effects.append(Effect(f"P heard nothing during the {label}", False,
                                       "no heartbeat (and no expiry) on P after the interval to measure the gap to"))
                 continue
             until, what = min(after)
             gap = until - before[-1]
-            need = min_gap if what == "heartbeat" else min(min_gap, 0.9 * float(self.timing.extension_s))
+            need = min(min_gap, 0.9 * float(self.timing.extension_s)) if what == "expiry" else min_gap
             effects.append(Effect(f"P heard nothing during the {label}", gap >= need,
                                   f"P heard no heartbeat for {gap:.3f} s (until the next {what}; at least {need:.3f} s expected)"))
         return effects

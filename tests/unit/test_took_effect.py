@@ -43,6 +43,18 @@ def test_silence_until_an_expiry_counts_up_to_e(execution):
     assert e.took_effect and "expiry" in e.evidence
 
 
+def test_silence_until_a_release_after_the_interval_counts(execution):
+    """A push writer stall: P heard the last heartbeat just before it, and the WRITEs it held landed as it
+    ended, releasing the leases with no heartbeat after: the gap runs to the first release."""
+    stall = [(4.4, 10.4, 0.0, 5.4, "push writer stall of 6 s on P")]
+    (e,) = effects(execution, stall, [lease([0.1, 1.1, 2.1, 3.2, 4.2], end=10.43), lease([1.0, 2.1, 4.1], end=10.41)])
+    assert e.took_effect and "release" in e.evidence and "6.210 s" in e.evidence and "at least 5.400 s" in e.evidence
+    (early,) = effects(execution, stall, [lease([0.1, 1.1, 2.1, 3.2, 4.2], end=9.0)])  # released inside the interval
+    assert not early.took_effect and "no heartbeat (and no expiry)" in early.evidence
+    (heard,) = effects(execution, stall, [lease([3.2, 4.2, 8.0], end=10.43)])  # a heartbeat in the stall still shows
+    assert not heard.took_effect and "heartbeat" in heard.evidence and "3.800 s" in heard.evidence
+
+
 def test_no_heartbeat_before_the_fault_is_not_evidence(execution):
     (e,) = effects(execution, [(10.0, 12.0, 0.0, 1.8, "stall")], [lease([12.5, 13.5])])
     assert not e.took_effect and "before" in e.evidence
