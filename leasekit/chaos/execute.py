@@ -138,12 +138,12 @@ class ScenarioExecution:
                 continue
             after = [(t, "heartbeat") for t in beats if t > mid]
             # a lease that expired in the silence got no heartbeat after it: the silence ends there
-            after += [(l.end_s, "expiry") for l in evidence.leases if l.outcome == "expired" and l.end_s > before[-1]]
+            after += [(l.end_s, "expiry") for l in evidence.leases if l.outcome == sc.OUTCOME_EXPIRED and l.end_s > before[-1]]
             if not after:  # released with no heartbeat first (WRITEs a writer stall held): a release ends the gap
                 after = [(l.end_s, "release") for l in evidence.leases if l.outcome == sc.OUTCOME_RELEASED and l.end_s >= b]
             if not after:
                 effects.append(Effect(f"P heard nothing during the {label}", False,
-                                      "no heartbeat (and no expiry) on P after the interval to measure the gap to"))
+                                      "no heartbeat, expiry or release on P after the interval to measure the gap to"))
                 continue
             until, what = min(after)
             gap = until - before[-1]
