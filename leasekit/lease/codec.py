@@ -7,11 +7,10 @@ D sends two kinds of NIXL notification to P:
 - read completion: ``f"{remote_request_id}:{expected_consumers}".encode()``
   (``nixl/pull_worker.py: _read_blocks``), one per consumer rank.
 
-Stock P decodes them with ``notif.decode("utf-8")``, ``msg.startswith("HB:")`` and
-``req_id, n = msg.rsplit(":", 1)`` / ``int(n)`` (``nixl/pull_worker.py: _get_new_notifs``), so
-non-UTF-8 bytes, a message with no ``:`` and a non-integer count each raise inside P's engine
-step. :func:`decode_notification` keeps vLLM's semantics for every well-formed message
-(``startswith("HB:")`` first, then ``rsplit(":", 1)``) and returns a :class:`DecodeError` for
+Stock P decodes them with ``notif.decode("utf-8")``, ``msg.startswith("HB:")`` and ``req_id, n = msg.rsplit(":", 1)``
+/ ``int(n)`` (``nixl/pull_worker.py: _get_new_notifs``), so non-UTF-8 bytes, a message with no ``:`` and a
+non-integer count each raise inside P's engine step. :func:`decode_notification` keeps vLLM's semantics for every
+well-formed message (``startswith("HB:")`` first, then ``rsplit(":", 1)``) and returns a :class:`DecodeError` for
 everything else: it never raises.
 
 LeaseKit peers speak a small protocol on top (``LK1:``; docs/fail-closed.md), used only between peers
@@ -98,7 +97,8 @@ ids it does not hold, vllm 0.32.0 ``base_worker.py`` ``_handle_heartbeat``); P e
 VERDICT_OK = "ok"
 VERDICT_REAPED = "reaped"
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")  # Unicode category Cc (C0, DEL, C1)
+CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+"""Characters no peer-supplied id may hold (Unicode Cc: C0, DEL, C1): they would forge log lines or framing."""
 _DIGITS = re.compile(r"[0-9]{1,16}")
 _CLOCK_ID = re.compile(r"-|" + CLOCK_ID_PATTERN)  # ASCII only: int() would also take " 3", "+3", "3_0", "٣"
 
@@ -281,7 +281,7 @@ def _short(value: object, limit: int = 80) -> str:
 def _id_problem(req_id: str, *, max_chars: int | None) -> DecodeError | None:
     if not req_id:
         return DecodeError(REASON_EMPTY_ID, "empty request id")
-    if _CONTROL.search(req_id):
+    if CONTROL_CHARS.search(req_id):
         return DecodeError(REASON_BAD_ID, f"request id holds a control character: {_short(req_id)}")
     if max_chars is not None and len(req_id) > max_chars:
         return DecodeError(REASON_BAD_ID, f"request id is {len(req_id)} chars, over {max_chars}")

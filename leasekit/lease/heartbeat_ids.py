@@ -11,7 +11,7 @@ Pure: no clock, no I/O.
 from __future__ import annotations
 
 from leasekit.lease.codec import (
-    _CONTROL,
+    CONTROL_CHARS,
     DEFAULT_MAX_BYTES,
     HEARTBEAT_PREFIX,
     MAX_HEARTBEAT_ID_CHARS,
@@ -44,7 +44,7 @@ def decode_heartbeat_ids(msg: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES) -> t
     try:
         text = body.decode("utf-8")
         parts = text.split(",")
-        clean = _CONTROL.search(text) is None
+        clean = CONTROL_CHARS.search(text) is None
     except UnicodeDecodeError:
         parts, clean = body.split(b","), False
     if clean and all(0 < len(part) <= MAX_HEARTBEAT_ID_CHARS for part in parts):
@@ -56,7 +56,7 @@ def decode_heartbeat_ids(msg: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES) -> t
                 part = part.decode("utf-8")
             except UnicodeDecodeError:
                 continue
-        if 0 < len(part) <= MAX_HEARTBEAT_ID_CHARS and not _CONTROL.search(part):
+        if 0 < len(part) <= MAX_HEARTBEAT_ID_CHARS and not CONTROL_CHARS.search(part):
             ids.append(part)
     if not ids:  # the whole message is junk: refused for the reason the strict codec gives
         whole = decode_notification(msg, max_bytes=max_bytes)

@@ -21,16 +21,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from leasekit.lease.codec import _CONTROL
+from leasekit.lease.codec import CONTROL_CHARS
 
 PUSH_END_PREFIX = b"LKEND:"
 """Prefix of a lease-end notification (P to D, push mode)."""
 OPT_IN_KEY = "leasekit_push_end"
 """The ``PUSH_REG`` key (value 1) by which a D asks P for lease-end notifications."""
 MAX_ID_CHARS = 1024
-ID_FORBIDDEN = _CONTROL
-"""Characters no request id may hold (control characters: the notification codec's rule), in a registration or a
-lease-end notification."""
+"""Longest request id a registration or a lease-end notification may name (characters); an id must also hold no
+control character (:data:`leasekit.lease.codec.CONTROL_CHARS`)."""
 
 
 @dataclass(frozen=True)
@@ -47,7 +46,7 @@ def encode_push_end(d_request_id: str) -> bytes:
     Raises:
         ValueError: the id is empty, longer than :data:`MAX_ID_CHARS` characters, or has a control character.
     """
-    if not isinstance(d_request_id, str) or not 0 < len(d_request_id) <= MAX_ID_CHARS or ID_FORBIDDEN.search(d_request_id):
+    if not isinstance(d_request_id, str) or not 0 < len(d_request_id) <= MAX_ID_CHARS or CONTROL_CHARS.search(d_request_id):
         raise ValueError(f"d_request_id: a request id of 1..{MAX_ID_CHARS} characters without control characters, "
                          f"got {d_request_id!r:.80}")
     return PUSH_END_PREFIX + d_request_id.encode()
@@ -67,7 +66,7 @@ def decode_push_end(msg: bytes | bytearray) -> str | PushEndError:
         rid = body.decode()
     except UnicodeDecodeError:
         return PushEndError("bad_id", "lease-end notification id is not UTF-8")
-    if len(rid) > MAX_ID_CHARS or ID_FORBIDDEN.search(rid):
+    if len(rid) > MAX_ID_CHARS or CONTROL_CHARS.search(rid):
         return PushEndError("bad_id", f"lease-end notification id {rid!r:.80} has control characters or is too long")
     return rid
 

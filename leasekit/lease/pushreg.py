@@ -34,7 +34,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from leasekit.lease.pushend import ID_FORBIDDEN, MAX_ID_CHARS, asked_for_push_end  # one id rule for both messages
+from leasekit.lease.codec import CONTROL_CHARS  # one id rule for every notification
+from leasekit.lease.pushend import MAX_ID_CHARS, asked_for_push_end
 
 PUSH_REG_PREFIX = b"PUSH_REG:"
 """vLLM's ``PUSH_REG_NOTIF_PREFIX`` (``nixl/metadata.py``): a registration is this prefix + msgpack."""
@@ -132,7 +133,7 @@ def _msgpack_decode(data: bytes) -> Any:
 
 def _text(reg: dict, key: str, limit: int) -> str | PushRegError:
     value = reg.get(key)
-    if type(value) is not str or not 0 < len(value) <= limit or ID_FORBIDDEN.search(value):
+    if type(value) is not str or not 0 < len(value) <= limit or CONTROL_CHARS.search(value):
         return PushRegError(BAD, f"{key}: must be a string of 1..{limit} characters with no control character")
     return value
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import zmq
 
+from leasekit.lease.codec import CONTROL_CHARS
 from leasekit.lease.proof import TAG_HEX_CHARS
 
 MAX_MESSAGE_BYTES = 64 * 1024
@@ -78,7 +79,6 @@ MAX_ENDPOINT_CHARS = 300
 _ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]{2,45}\]|[0-9.]{7,15}):(\d{1,5})")
 _TOKEN = re.compile(r"[0-9a-f]{%d}" % TOKEN_HEX_CHARS)
 _TAG = re.compile(r"[0-9a-f]{%d}" % TAG_HEX_CHARS)
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 MAX_HELLO_ID_CHARS = 512
 """Longest request id a hello's lease proof may name (the whole hello must fit one heartbeat id)."""
@@ -153,7 +153,7 @@ def decode_hello_payload(payload: bytes) -> Hello | str:
         return problem
     if len(parts) == 2:
         return Hello(parts[0], parts[1])
-    if not parts[2] or _CONTROL.search(parts[2]) or len(parts[2]) > MAX_HELLO_ID_CHARS:
+    if not parts[2] or CONTROL_CHARS.search(parts[2]) or len(parts[2]) > MAX_HELLO_ID_CHARS:
         return "hello's request id is empty, too long or holds a control character"
     if not _TAG.fullmatch(parts[3]):
         return f"hello's tag is not {TAG_HEX_CHARS} lowercase hex digits"
