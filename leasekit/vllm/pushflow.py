@@ -27,6 +27,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from leasekit.lease.pushreg import AMBIGUOUS, PUSH_REG_PREFIX, PushRegGuard
@@ -51,6 +52,19 @@ def base_request_id(request_id: str) -> str:
     """``request_id`` without vLLM's per-request ``-<8 hex>`` suffix (vllm 0.32.0 ``nixl/utils.py:
     get_base_request_id``, the rule vLLM's push writer matches a registration to P's request by)."""
     return _RANDOM_SUFFIX.sub("", request_id)
+
+
+@dataclass
+class _Registration:
+    """What :class:`PushFlow` keeps of one lease's accepted registration (under its lock)."""
+
+    agent: str
+    """The D agent whose registration was accepted; "" once the lease's WRITE was issued or the lease ended."""
+    end_id: str | None
+    """D's request id, to tell D that the lease ended without a WRITE (:mod:`leasekit.lease.pushend`); None when D
+    did not ask, or once it was written or told."""
+    live: bool = True
+    """False once the lease ended: kept only while the writer may still refuse a reaped lease's WRITE and tell D."""
 
 
 class PushFlow:
@@ -92,8 +106,7 @@ class PushFlow:
         self._dropped: deque[tuple[str, str, str]] = deque()
         self._issued: deque[tuple[str, float, str]] = deque()
         self._refused: deque[str] = deque()
-        self._agents: dict[str, str] = {}  # lease -> agent of its accepted registration (writer inserts/pops under _lock)
-        self._ends: dict[str, str] = {}  # lease -> D request id of its accepted registration that asked for a lease end
+        self._regs: dict[str, _Registration] = {}  # lease -> its accepted registration (under _lock; pruned)
         self._lock = threading.Lock()
         self._polled_at: float | None = None  # start of the writer's last poll (perf_counter s), under _lock
         self.heard_until: float | None = None
@@ -105,7 +118,6 @@ class PushFlow:
         self.submitting: str | None = None
         """The lease whose WRITE the writer is submitting now (the reap holds it back: :meth:`reap_hold`)."""
         self._reaped: dict[str, None] = {}  # leases the reap ended, oldest first (bounded: REAPED_KEPT)
-        self._registered: dict[str, None] = {}  # live leases with an accepted registration (until ended or pruned)
         self._unregistered: dict[str, None] = {}  # of _reaped, those reaped before any registration was accepted
         self._reaped_bases: dict[str, int] = {}  # base id -> how many of _unregistered have it
         self._overflow_warning = RateLimitedWarning(lease_logger())
@@ -158,11 +170,10 @@ class PushFlow:
             self._wake_timer.start()
         out: dict[str, list[bytes]] = {}
         with self._lock:
-            for agent, msg, reg, lease in accepted:
-                self._agents[lease] = agent
-                self._registered[lease] = None  # before its WRITE can be issued: never told it ended by registration
-                if reg.push_end:
-                    self._ends[lease] = reg.request_id
+            for agent, _msg, reg, lease in accepted:  # before its WRITE can be issued: never told it ended by registration
+                old = self._regs.get(lease)
+                end_id = reg.request_id if reg.push_end else (old.end_id if old is not None and old.live else None)
+                self._regs[lease] = _Registration(agent, end_id)
         for agent, msg, _reg, lease in accepted:
             out.setdefault(agent, []).append(msg)
         return out
@@ -206,7 +217,13 @@ class PushFlow:
         None."""
         self._refused.append(req_id)
         with self._lock:
-            return self._ends.pop(req_id, None)
+            reg = self._regs.get(req_id)
+            if reg is None:
+                return None
+            end_id, reg.end_id = reg.end_id, None
+            if not reg.live:
+                del self._regs[req_id]
+            return end_id
 
     def was_reaped(self, request_id: str) -> bool:
         """Whether ``request_id`` (or its base id, :func:`base_request_id`) names a lease P's reap ended before any
@@ -224,9 +241,13 @@ class PushFlow:
 
     def issued(self, req_id: str, handles: int) -> None:
         """vLLM's writer issued ``handles`` WRITE transfers for lease ``req_id`` (writer thread)."""
-        with self._lock:  # the engine thread prunes _agents under it
-            agent = self._agents.pop(req_id, "")
-            self._ends.pop(req_id, None)  # written: no lease end to tell
+        with self._lock:  # the engine thread prunes _regs under it
+            reg = self._regs.get(req_id)
+            agent = ""
+            if reg is not None:
+                agent, reg.agent, reg.end_id = reg.agent, "", None  # written: no lease end to tell
+                if not reg.live:
+                    del self._regs[req_id]
         self._issued.append((req_id, self._clock(), agent))
 
     # -- engine thread ---------------------------------------------------------------------------------------
@@ -249,14 +270,10 @@ class PushFlow:
             live = self._reqs_to_send
             self._clashes = {b: kept for b, m in self._clashes.items() if (kept := {r for r in m if r in live})}
             self._bases = {b: r for b, r in self._bases.items() if r in live or (r == AMBIGUOUS and b in self._clashes)}
-        if len(self._agents) + len(self._ends) + len(self._registered) > 4096 + 4 * len(self._reqs_to_send):
+        if len(self._regs) > 4096 + 4 * len(self._reqs_to_send):
             with self._lock:  # the writer thread inserts under it; leases that ended unseen (aborts): prune
-                for lease in [lease for lease in self._agents if lease not in self._reqs_to_send]:
-                    del self._agents[lease]
-                for lease in [lease for lease in self._registered if lease not in self._reqs_to_send]:
-                    del self._registered[lease]
-                for lease in [lease for lease in self._ends if lease not in self._reqs_to_send and lease not in self._reaped]:
-                    del self._ends[lease]
+                for lease in [lease for lease in self._regs if lease not in self._reqs_to_send]:
+                    self._end_registration(lease)
 
     def ended(self, req_id: str) -> None:
         """``req_id``'s lease ended (released, expired or aborted)."""
@@ -267,26 +284,37 @@ class PushFlow:
             self._clashes[base].discard(req_id)
             if not self._clashes[base]:
                 del self._clashes[base], self._bases[base]
-        self._agents.pop(req_id, None)
         with self._lock:
-            self._registered.pop(req_id, None)  # the reap has looked at it already (reaped() runs before this)
-            if req_id not in self._reaped:  # a reaped one waits for the writer to refuse its WRITE and tell D
-                self._ends.pop(req_id, None)
+            self._end_registration(req_id)  # the reap has looked at it already (reaped() runs before this)
         self.guard.forget(req_id)
+
+    def _end_registration(self, req_id: str) -> None:
+        """``req_id``'s lease ended (:attr:`_lock` held): forget its registration, but keep D's request id while a
+        reaped lease waits for the writer to refuse its WRITE and tell D."""
+        reg = self._regs.get(req_id)
+        if reg is None:
+            return
+        if req_id in self._reaped and reg.end_id is not None:
+            reg.agent, reg.live = "", False
+        else:
+            del self._regs[req_id]
 
     def reaped(self, req_ids: list[str]) -> None:
         """P's reap expired ``req_ids`` (engine thread, :attr:`write_lock` held): the writer must not WRITE from
         their blocks. The newest :data:`REAPED_KEPT` are remembered (a WRITE comes within seconds of its grant)."""
         reaped = self._reaped
         with self._lock:  # the writer thread marks registered leases under it
-            unregistered = [r for r in req_ids if r not in reaped and r not in self._registered]
+            regs = self._regs
+            unregistered = [r for r in req_ids if r not in reaped and not (r in regs and regs[r].live)]
+            for req_id in req_ids:
+                if req_id in regs:
+                    regs[req_id].agent = ""  # registered, never written: its WRITE is refused, no agent to note
         for req_id in unregistered:
             base = base_request_id(req_id)
             self._reaped_bases[base] = self._reaped_bases.get(base, 0) + 1
             self._unregistered[req_id] = None
         for req_id in req_ids:
             reaped[req_id] = None
-            self._agents.pop(req_id, None)  # registered, never written: nothing will pop it
         while len(reaped) > REAPED_KEPT:
             self._unreap(next(iter(reaped)))
 

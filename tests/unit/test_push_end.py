@@ -248,4 +248,6 @@ def test_a_registered_lease_is_remembered_until_it_ends_however_many_others_come
         flow.reaped(["old-1a2b3c4d"])
     assert not flow.was_reaped("old-99999999")  # a second D rank's registration is never answered with a lease end
     flow.ended("old-1a2b3c4d")
-    assert not flow._registered and not flow.was_reaped("old-99999999")  # bounded by the live leases
+    assert not flow.was_reaped("old-99999999")
+    assert list(flow._regs) == ["old-1a2b3c4d"]  # bounded: the 5000 ended leases left nothing behind ...
+    assert flow.refused("old-1a2b3c4d") == "old-99999999" and flow._regs == {}  # ... and D is told once

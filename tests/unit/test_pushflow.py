@@ -173,23 +173,37 @@ def test_a_new_grant_under_a_reaped_id_may_be_written_again():
     assert flow.begin_write("r")
 
 
+def agents(flow):
+    """Lease -> the D agent PushFlow would still name on the lease's WRITE span."""
+    return {lease: r.agent for lease, r in flow._regs.items() if r.agent}
+
+
 def test_the_agent_of_a_registration_never_written_is_forgotten_when_its_lease_is_reaped_or_pruned():
     flow, leases, _ = make()
     leases["r-1a2b3c4d"] = 6.0
     flow.granted("r-1a2b3c4d")
     assert flow.writer_batch({"d-agent": [reg("r-1a2b3c4d")]})
-    assert flow._agents == {"r-1a2b3c4d": "d-agent"}
+    assert agents(flow) == {"r-1a2b3c4d": "d-agent"}
     del leases["r-1a2b3c4d"]
     with flow.write_lock:
         flow.reaped(["r-1a2b3c4d"])  # expired before its WRITE: nothing else pops it
-    assert flow._agents == {}
+    assert agents(flow) == {}
+    flow.ended("r-1a2b3c4d")
+    assert flow._regs == {}  # D asked for no lease end: nothing left to tell
     # registrations accepted, then their leases aborted (never reaped, never written): pruned on later grants
-    for i in range(4200):
-        flow._agents[f"gone-{i}"] = "d-agent"
+    gone = [f"gone{i}-1a2b3c4d" for i in range(4200)]
+    for rid in gone:
+        leases[rid] = 6.0
+        flow.granted(rid)
+    flow.writer_batch({"d-agent": [reg(rid) for rid in gone]})
+    for rid in gone:
+        del leases[rid]  # aborted: vLLM drops the lease without telling the worker
+    assert len(agents(flow)) == 4200
     leases["live-1a2b3c4d"] = 6.0
-    flow._agents["live-1a2b3c4d"] = "d-agent"
-    flow.granted("live-1a2b3c4d")
-    assert flow._agents == {"live-1a2b3c4d": "d-agent"}
+    flow.granted("live-1a2b3c4d")  # more registrations kept than 4096 + 4 per live lease: pruned
+    assert flow._regs == {}
+    assert flow.writer_batch({"d-agent": [reg("live-1a2b3c4d")]})
+    assert agents(flow) == {"live-1a2b3c4d": "d-agent"}
 
 
 class DropStats(Stats):
