@@ -84,7 +84,8 @@ def _lifecycle() -> list[Builder]:
                     for q, p in ((0.5, 50), (0.99, 99))]
                    + [Query(config_gauge(m.MAX_HOLD.name, I, F), "{{instance}} max hold (cap)")], "s", width=12),
         timeseries("Reads by gate outcome (D)", m.READS.help + " reaped/timeout: a late read caught and discarded "
-                   "(fail closed); unprotected: the P is stock, reads are not checked. Verdicts P failed to send: "
+                   "(fail closed); unprotected: the P is stock, reads are not checked; pushed: push mode, P wrote the blocks. "
+                   "Verdicts P failed to send: "
                    + m.VERDICT_SEND_FAILURES.help,
                    [Query(sum_rate(_c(m.READS), I + ", outcome", W, F), "{{instance}} {{outcome}}"),
                     Query(sum_rate(_c(m.VERDICT_SEND_FAILURES), I, W, F), "{{instance}} verdict send failures (P)")],

@@ -43,12 +43,14 @@ OUTCOME_TIMEOUT = "timeout"
 OUTCOME_UNGATED = "ungated"
 OUTCOME_UNPROTECTED = "unprotected"
 OUTCOME_ABANDONED = "abandoned"
+OUTCOME_PUSHED = "pushed"
+"""A push-mode D's WRITE received: P wrote the blocks, D read nothing, so there is no read to gate."""
 READ_OUTCOMES = (OUTCOME_VERIFIED, OUTCOME_REAPED, OUTCOME_TIMEOUT, OUTCOME_UNGATED, OUTCOME_UNPROTECTED,
-                 OUTCOME_ABANDONED)
+                 OUTCOME_ABANDONED, OUTCOME_PUSHED)
 """Every outcome of :class:`ReadGate` (``leasekit_kv_lease_reads_total{outcome}``)."""
 DISCARDED_OUTCOMES = (OUTCOME_REAPED, OUTCOME_TIMEOUT, OUTCOME_UNGATED)
 """Outcomes whose read was reported failed to vLLM (``kv_load_failure_policy`` applied)."""
-RELEASED_OUTCOMES = (OUTCOME_VERIFIED, OUTCOME_ABANDONED, OUTCOME_UNPROTECTED)
+RELEASED_OUTCOMES = (OUTCOME_VERIFIED, OUTCOME_ABANDONED, OUTCOME_UNPROTECTED, OUTCOME_PUSHED)
 """Outcomes whose read is reported done to vLLM: used (verified, unprotected), or, for a request that
 already finished on D (``abandoned``), only so that vLLM frees its blocks: vllm 0.32.0
 ``Scheduler.finish_requests`` delays freeing a ``WAITING_FOR_REMOTE_KVS`` request's blocks until the

@@ -93,7 +93,8 @@ READ_OUTCOMES = _READ_OUTCOMES
 """``outcome`` label values of :data:`READS` (:mod:`leasekit.lease.readgate`): ``verified`` (P confirmed
 the lease covered the read), ``reaped`` (P had ended the lease: the read was discarded and vLLM's
 ``kv_load_failure_policy`` applied), ``timeout`` (no verdict in time: discarded likewise),
-``unprotected`` (a stock P: the read was used unchecked, as stock vLLM does)."""
+``unprotected`` (a stock P: the read was used unchecked, as stock vLLM does), ``abandoned`` (the request finished on
+D first), ``pushed`` (push mode: P WRITEs the blocks, there is no read to gate)."""
 
 READ_PROOFS = _READ_PROOFS
 """``proof`` label values of :data:`READ_PROOFS_METRIC` (:mod:`leasekit.lease.readgate`)."""
@@ -242,13 +243,14 @@ MAX_HOLD = MetricSpec(
 READS = MetricSpec(
     PREFIX + "reads", "counter",
     "Reads of P's KV blocks D finished, by what the read gate decided (verified, reaped, timeout, "
-    "ungated, unprotected, abandoned): counts per request per D TP rank. reaped, timeout and ungated reads "
+    "ungated, unprotected, abandoned, pushed): counts per request per D TP rank. reaped, timeout and ungated reads "
     "were discarded, never served; unprotected ones were used unchecked (stock P); abandoned ones belonged "
-    "to a request that finished on D (aborted) before the verdict.", _RANK + ("outcome",), "D")
+    "to a request that finished on D (aborted) before the verdict; pushed: push mode, P wrote the blocks (no read "
+    "to gate).", _RANK + ("outcome",), "D")
 READ_VERDICT_WAIT = MetricSpec(
     PREFIX + "read_verdict_wait_seconds", "histogram",
     "Seconds D held a finished read back waiting for P's verdict (the fail-closed protocol's cost: at most "
-    "one notification round trip plus P's step; unprotected and abandoned reads are not observed), per D "
+    "one notification round trip plus P's step; unprotected, abandoned and pushed reads are not observed), per D "
     "TP rank.", _RANK, "D",
     (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 6, 10))
 READ_PROOFS_METRIC = MetricSpec(

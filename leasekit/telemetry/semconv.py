@@ -84,8 +84,9 @@ EVENT_UNTRACKED = "untracked"
 # decision (leasekit.lease.readgate): held back for P's verdict, then used or discarded.
 READ_SPAN_NAME = "kv_lease_read"
 """D-side span; ``gen_ai.request.id`` = P's request id, ``leasekit.read_outcome`` = verified | reaped |
-timeout | ungated | unprotected | abandoned (reaped, timeout and ungated reads were discarded: vLLM's
-``kv_load_failure_policy``; abandoned: the request finished on D before the read was decided)."""
+timeout | ungated | unprotected | abandoned | pushed (reaped, timeout and ungated reads were discarded: vLLM's
+``kv_load_failure_policy``; abandoned: the request finished on D before the read was decided; pushed: push mode, P
+wrote the blocks and there was no read to gate)."""
 READ_OUTCOME = "leasekit.read_outcome"
 D_FAIL_CLOSED = "leasekit.d_fail_closed"
 """kv_lease_late_read: whether the reading D discards the read (it speaks the fail-closed protocol)."""

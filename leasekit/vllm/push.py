@@ -54,6 +54,7 @@ from leasekit.lease.codec import Completion, decode_notification
 from leasekit.lease.config import LeaseTiming
 from leasekit.lease.peerref import peer_ref
 from leasekit.lease.pushend import is_push_end
+from leasekit.lease.readgate import OUTCOME_PUSHED
 from leasekit.telemetry.lease_log import RateLimitedWarning, lease_logger
 from leasekit.vllm.decode.hooks import DHooks
 from leasekit.vllm.decode.writenotes import FOREIGN_WRITE, WriteNoteGuard
@@ -102,6 +103,7 @@ class LeaseKitPushWorker(LeaseKitWorkerMixin, PushEndHooks, PHooks, DHooks, Nixl
                                  drop=self._lk_p.intake.drop, notify_end=self._lk_end_to_agent,
                                  wake=self._push_writer_wake.set)
         self._lk_tap.flow = self._lk_flow
+        self._lk_gate.unmarked_outcome = OUTCOME_PUSHED  # D reads nothing: a WRITE received is not a stock read
         self._lk_late: list[str] = []
         self._lk_failed: list[str] = []
         self._lk_failing: set[str] = set()  # leases whose WRITE failed and still has handles out (counted once)

@@ -342,7 +342,7 @@ class LeaseKitPromMetrics(NixlPromMetrics):
             self._child(m.READS, engine_idx, rank, outcome).inc()
             if proof and proof[0] in m.READ_PROOFS:
                 self._child(m.READ_PROOFS_METRIC, engine_idx, rank, proof[0]).inc()
-            if outcome not in ("unprotected", "abandoned"):  # the protocol's cost, not a client's abort
+            if outcome not in ("unprotected", "abandoned", "pushed"):  # the protocol's cost, not a client's abort
                 self._child(m.READ_VERDICT_WAIT, engine_idx, rank).observe(wait_s)
         for rank, reason, count in d.get(SPAN_DROPS, ()):
             if reason in m.SPAN_DROP_REASONS:

@@ -240,6 +240,14 @@ def test_leasekit_push_pair_serves_the_tokens_of_the_stock_push_pair(push_pair, 
     beats = metric_samples(lk_push_pair.decode.url, "leasekit_kv_lease_heartbeats_sent_total")
     assert beats and all(labels["mode"] == "push" for labels, _ in beats)
 
+    def d_reads():  # D read nothing: each WRITE it received is "pushed", never a stock P's "unprotected" read
+        samples = metric_samples(lk_push_pair.decode.url, "leasekit_kv_lease_reads_total")
+        reads = {labels["outcome"]: v for labels, v in samples if v}
+        return reads if sum(reads.values()) >= len(rids) else None
+
+    reads = wait_for(d_reads, 15, poke=lambda: lk_push_pair.router.generate(lk_push_pair.prompt(24), 2))
+    assert reads and set(reads) == {"pushed"} and reads["pushed"] >= len(rids), reads
+
 
 def _registration(prefill, request_id: str, host: str, port: int) -> dict:
     params = prefill.kv_transfer_params

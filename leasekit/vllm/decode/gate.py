@@ -118,6 +118,7 @@ class DReadGate:
         self._drop = drop
         self._context_of = context_of
         self._warning = warning if warning is not None else RateLimitedWarning(lease_logger())
+        self.unmarked_outcome = OUTCOME_UNPROTECTED  # of a read P did not mark; a push worker's: OUTCOME_PUSHED
         self.inbox = VerdictInbox()
         """This worker's verdict inbox (:class:`leasekit.vllm.verdictchan.VerdictInbox`)."""
         self.hello_sent: set[str] = set()
@@ -333,7 +334,7 @@ class DReadGate:
                 else:
                     meta = self._state.recving_metadata.get(request_id)
                     remote = getattr(getattr(meta, "remote", None), "request_id", "")
-                    outcome = OUTCOME_ABANDONED if self.gate.pop_finished(request_id) else OUTCOME_UNPROTECTED
+                    outcome = OUTCOME_ABANDONED if self.gate.pop_finished(request_id) else self.unmarked_outcome
                     decided.append(GateResult(request_id, remote, outcome, 0.0))
             except Exception as exc:  # fail closed: a read we could not gate is not served
                 self._errors.report("read gate", exc)
