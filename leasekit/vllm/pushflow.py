@@ -130,11 +130,11 @@ class PushFlow:
         base id (:func:`base_request_id`); :data:`~leasekit.lease.pushreg.AMBIGUOUS` while more than one lease P
         granted has that base id and any of them is live (vLLM's writer would pick one of them,
         ``push_worker.py`` ``_pop_matching_finished_blocks``); None if none."""
+        lease = self._bases.get(base_request_id(request_id))
+        if lease == AMBIGUOUS:  # even an exact id: vLLM's writer falls back to any lease of that base id
+            return lease
         if request_id in self._reqs_to_send:
             return request_id
-        lease = self._bases.get(base_request_id(request_id))
-        if lease == AMBIGUOUS:
-            return lease
         return lease if lease is not None and lease in self._reqs_to_send else None
 
     def writer_batch(self, batch: dict[str, list[bytes]], polled_at: float | None = None) -> dict[str, list[bytes]]:

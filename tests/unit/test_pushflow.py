@@ -270,6 +270,7 @@ def test_one_x_request_id_on_two_live_leases_matches_no_registration_until_both_
     assert flow.writer_batch({"d-agent": [reg("cmpl-x-0-99999999")]}) == {}  # dropped at once, not held
     flow.record(Recorder(), Stats())
     assert [reason for reason, _, _ in drops] == ["push_reg_ambiguous_id"]
+    assert flow.live(first) == flow.live(second) == "\x00ambiguous"  # even P's own id: vLLM falls back to the base id
     leases[third] = 8.0
     flow.granted(third)
     for ended in (first, second):
