@@ -117,7 +117,7 @@ class ScenarioExecution:
         silence in (a stall, dropped heartbeat batches), the gap between the heartbeats P handled
         around it (any lease of this run) must be at least the expected length. The gap ends at the
         first heartbeat after the interval's middle, or an expiry; when neither came, at the first
-        release at or after the interval's end (a lease P kept without hearing a heartbeat)."""
+        release after the middle of a lease granted before the interval (kept without a heartbeat)."""
         run = self.fault_run
         if run is None or not run.silences:
             return []
@@ -140,7 +140,8 @@ class ScenarioExecution:
             # a lease that expired in the silence got no heartbeat after it: the silence ends there
             after += [(l.end_s, "expiry") for l in evidence.leases if l.outcome == sc.OUTCOME_EXPIRED and l.end_s > before[-1]]
             if not after:  # released with no heartbeat first (WRITEs a writer stall held): a release ends the gap
-                after = [(l.end_s, "release") for l in evidence.leases if l.outcome == sc.OUTCOME_RELEASED and l.end_s >= b]
+                after = [(l.end_s, "release") for l in evidence.leases
+                         if l.outcome == sc.OUTCOME_RELEASED and l.grant_s <= a and l.end_s > mid]
             if not after:
                 effects.append(Effect(f"P heard nothing during the {label}", False,
                                       "no heartbeat, expiry or release on P after the interval to measure the gap to"))

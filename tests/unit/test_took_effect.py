@@ -8,8 +8,8 @@ from leasekit.chaos.execute import ScenarioExecution
 from leasekit.chaos.scenario import find_scenario
 
 
-def lease(beats, outcome="released", end=100.0):
-    return SimpleNamespace(heartbeats_s=tuple(beats), outcome=outcome, end_s=end)
+def lease(beats, outcome="released", end=100.0, grant=0.0):
+    return SimpleNamespace(heartbeats_s=tuple(beats), outcome=outcome, end_s=end, grant_s=grant)
 
 
 @pytest.fixture
@@ -49,8 +49,12 @@ def test_silence_until_a_release_after_the_interval_counts(execution):
     stall = [(4.4, 10.4, 0.0, 5.4, "push writer stall of 6 s on P")]
     (e,) = effects(execution, stall, [lease([0.1, 1.1, 2.1, 3.2, 4.2], end=10.43), lease([1.0, 2.1, 4.1], end=10.41)])
     assert e.took_effect and "release" in e.evidence and "6.210 s" in e.evidence and "at least 5.400 s" in e.evidence
-    (early,) = effects(execution, stall, [lease([0.1, 1.1, 2.1, 3.2, 4.2], end=9.0)])  # released inside the interval
-    assert not early.took_effect and "no heartbeat, expiry or release" in early.evidence
+    (early,) = effects(execution, stall, [lease([0.1, 1.1, 2.1, 3.2, 4.2], end=9.0)])  # released well inside it
+    assert not early.took_effect and "4.800 s" in early.evidence
+    (edge,) = effects(execution, stall, [lease([0.1, 1.1, 2.1, 3.2, 4.2], end=10.399)])  # clocks a ms apart
+    assert edge.took_effect and "6.199 s" in edge.evidence
+    (first,) = effects(execution, stall, [lease([0.1, 4.2], end=30.0, grant=11.0)])  # granted after the stall
+    assert not first.took_effect and "no heartbeat, expiry or release" in first.evidence
     (heard,) = effects(execution, stall, [lease([3.2, 4.2, 8.0], end=10.43)])  # a heartbeat in the stall still shows
     assert not heard.took_effect and "heartbeat" in heard.evidence and "3.800 s" in heard.evidence
 
