@@ -192,7 +192,7 @@ def run_blocked(v, args: argparse.Namespace, tmp: Path, model_dir: str) -> dict:
     """LeaseKit P with a normal span file against LeaseKit P whose span file is frozen and LeaseKit P
     that also exports by OTLP to an endpoint that never answers (:mod:`benchmarks.pstep.blocked`),
     ``args.blocked_n`` live leases each, ``args.blocked_steps`` notification steps each, interleaved
-    A B C C B A. Returns ``{"n", "steps", "otlp_timeout_s", <label>: summary + dropped + failed}``
+    A B C C B A. Returns ``{"n", "steps", "otlp_timeout_s", <label>: summary + dropped + failed + settled}``
     (:class:`benchmarks.pstep.measure.Samples` summary, µs; spans), the OTLP side with ``sinks`` too."""
     from benchmarks.pstep import blocked as K
     from benchmarks.pstep import drive as D
@@ -210,11 +210,13 @@ def run_blocked(v, args: argparse.Namespace, tmp: Path, model_dir: str) -> dict:
         driver = M.PDriver(sides, n)
         reps = M.split(args.blocked_steps, args.rounds)
         M.interleave(list(by_label), args.rounds, lambda label, k: driver.notif_block(by_label[label], reps[k]))
-        for side in sides:  # counts are read once every ended lease's span reached the sinks (built off-step)
-            K.settle(side.worker)
+        # counts are read once every ended lease's span reached the sinks (built off-step); "settled": False if not
+        settled = {label: K.settle(side.worker) for label, side in by_label.items()}
         entry = {"n": n, "steps": args.blocked_steps, "otlp_timeout_s": args.blocked_otlp_timeout,
-                 **{label: {**driver.samples[label].summary(), **K.unexported(by_label[label].worker)}
-                    for label in by_label}}
+                 **{label: {**driver.samples[label].summary(), **K.unexported(by_label[label].worker),
+                            "settled": settled[label]} for label in by_label}}
+        for label in (label for label, done in settled.items() if not done):
+            log(f"blocked span sinks: {label}'s span builder still had spans to build after 10 s: its counts are short")
         entry[R.LEASEKIT_OTLP_BLOCKED]["sinks"] = K.sink_counts(by_label[R.LEASEKIT_OTLP_BLOCKED].worker)
         teardown(sides)  # the OTLP side's shutdown waits up to the OTLP timeout for its stuck export
     log(f"blocked span sinks N={n}: done in {time.perf_counter() - started:.1f} s")

@@ -265,6 +265,7 @@ def test_run_blocked_times_the_otlp_black_hole_side_and_counts_its_spans(v, mode
 
     otlp = entry[R.LEASEKIT_OTLP_BLOCKED]
     assert otlp["unexpected_releases"] == 0 and otlp["notif_n"] == steps
+    assert all(entry[label]["settled"] for label in (R.LEASEKIT, R.LEASEKIT_BLOCKED, R.LEASEKIT_OTLP_BLOCKED))
     assert otlp["notif_us"] > 0 and entry[R.LEASEKIT]["notif_us"] > 0
     assert isinstance(otlp["dropped"], int) and isinstance(otlp["failed"], int)
     sink = otlp["sinks"]["otlp"]
