@@ -42,6 +42,8 @@ many dropped registrations wait to be logged): past it, while P's engine thread 
 a stall), a flood from any peer is dropped and counted (``backlog_full``) instead of growing P's memory."""
 BACKLOG_BYTES = 64 << 20
 """At most this many bytes of forwarded notifications wait for the engine thread (see :data:`BACKLOG_MESSAGES`)."""
+DETAIL_CHARS = 512
+"""A queued drop's detail (for its log line) is cut to this many characters: the drop backlog stays a few tens of MB."""
 BACKLOG_REASON = "backlog_full"
 """The drop reason of a notification the backlog had no room for."""
 
@@ -121,6 +123,7 @@ class PushFlow:
         self._unregistered: dict[str, None] = {}  # of _reaped, those reaped before any registration was accepted
         self._reaped_bases: dict[str, int] = {}  # base id -> how many of _unregistered have it
         self._overflow_warning = RateLimitedWarning(lease_logger())
+        self._end_warning = RateLimitedWarning(lease_logger())
         self.lost_at: float | None = None
         """When the writer last dropped a forwarded notification for want of room (perf_counter s), or None."""
 
@@ -163,7 +166,11 @@ class PushFlow:
         self._queue_drops(dropped)
         for agent, d_request_id in self.guard.take_ended():
             if self._notify_end is not None:
-                self._notify_end(agent, d_request_id)
+                try:  # the accepted registrations below must still reach vLLM's writer
+                    self._notify_end(agent, d_request_id)
+                except Exception as exc:  # rare (the send itself reports its errors): logged, rate-limited
+                    self._end_warning.warn("LeaseKit: could not tell D that its lease ended: %s", repr(exc)[:DETAIL_CHARS],
+                                           event="push_end_failed")
         if self._wake is not None and self.guard.held and (self._wake_timer is None or not self._wake_timer.is_alive()):
             self._wake_timer = threading.Timer(self.guard.hold_s + 0.05, self._wake)  # decide them when their hold ends
             self._wake_timer.daemon = True
@@ -187,7 +194,7 @@ class PushFlow:
         with self._lock:
             for reason, agent, detail in drops:
                 if len(self._dropped) < BACKLOG_MESSAGES:
-                    self._dropped.append((reason, agent, detail))
+                    self._dropped.append((reason, agent, detail[:DETAIL_CHARS]))  # bounded bytes, not only messages
                 else:
                     self._overflow[reason] = self._overflow.get(reason, 0) + 1
 

@@ -251,3 +251,35 @@ def test_a_registered_lease_is_remembered_until_it_ends_however_many_others_come
     assert not flow.was_reaped("old-99999999")
     assert list(flow._regs) == ["old-1a2b3c4d"]  # bounded: the 5000 ended leases left nothing behind ...
     assert flow.refused("old-1a2b3c4d") == "old-99999999" and flow._regs == {}  # ... and D is told once
+
+
+def test_a_failing_lease_end_send_loses_none_of_the_batchs_accepted_registrations(caplog):
+    now = [0.0]
+    flow, leases, drops, _ = make_flow(now)
+
+    def broken(agent, rid):
+        raise RuntimeError("nixl agent gone")
+
+    flow._notify_end = broken
+    leases["cmpl-a-0-1a2b3c4d"] = 6.0
+    flow.granted("cmpl-a-0-1a2b3c4d")
+    del leases["cmpl-a-0-1a2b3c4d"]
+    with flow.write_lock:
+        flow.reaped(["cmpl-a-0-1a2b3c4d"])
+    assert flow.writer_batch({"d-agent": [reg("cmpl-a-0-99999999")]}) == {}  # held
+    now[0] = 1.0
+    leases["cmpl-b-0-1a2b3c4d"] = 6.0
+    flow.granted("cmpl-b-0-1a2b3c4d")
+    with caplog.at_level("WARNING"):  # the hold ends in the batch that brings b's registration: the send raises
+        out = flow.writer_batch({"d-agent": [reg("cmpl-b-0-99999999")]})
+    assert out == {"d-agent": [reg("cmpl-b-0-99999999")]}
+    assert "could not tell D that its lease ended" in caplog.text and "nixl agent gone" in caplog.text
+
+
+def test_a_queued_drop_keeps_a_bounded_detail():
+    from leasekit.vllm.pushflow import DETAIL_CHARS
+
+    flow, _, drops, _ = make_flow()
+    flow.writer_drop("push_reg_malformed", "d-agent", "x" * 100_000)
+    flow.record(RECORDER, STATS)
+    assert drops == [("push_reg_malformed", "d-agent", "x" * DETAIL_CHARS)]
