@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -54,6 +56,10 @@ class VllmServer:
         self._started_idle = False
         self.parked = False  # a healthy spare held with SIGSTOP until promoted
         self.paused = False  # a spare still warming up, held with SIGSTOP while a foreground server starts
+        self.rpc_dir: str | None = None
+        """The directory of vLLM's ZMQ IPC sockets (``VLLM_RPC_BASE_PATH``) for this server, made at :meth:`start`
+        and removed at :meth:`stop` (a server killed by a fault leaves them; vLLM's default, ``/tmp``, would
+        collect them run after run); None when the caller's environment or the spec sets one."""
 
     # -- lifecycle -------------------------------------------------------------------------
     @property
@@ -106,8 +112,12 @@ class VllmServer:
         return env
 
     def environment(self) -> dict[str, str]:
-        """The server's environment: ours (:meth:`launch_environment`) on top of the caller's."""
-        return {**os.environ, **self.launch_environment()}
+        """The server's environment: ours (:meth:`launch_environment`) on top of the caller's, and its
+        :attr:`rpc_dir` once started."""
+        env = {**os.environ, **self.launch_environment()}
+        if self.rpc_dir is not None:
+            env["VLLM_RPC_BASE_PATH"] = self.rpc_dir
+        return env
 
     def start(self, *, idle: bool = False) -> None:
         """Launch the server in its own session; returns at once (see :meth:`wait_healthy`).
@@ -127,6 +137,8 @@ class VllmServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = open(self.log_path, "ab")
         self._log_file.write(f"# leasekit: {' '.join(self.command())}\n".encode())
+        if "VLLM_RPC_BASE_PATH" not in os.environ and "VLLM_RPC_BASE_PATH" not in self.spec.extra_env:
+            self.rpc_dir = tempfile.mkdtemp(prefix="lk-rpc-")  # short: a socket path has at most 107 bytes
         self._log_file.flush()
         in_main = threading.current_thread() is threading.main_thread()
         self.proc = subprocess.Popen(
@@ -277,6 +289,9 @@ class VllmServer:
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
+        if self.rpc_dir is not None and (self.proc is None or self.proc.poll() is not None):
+            shutil.rmtree(self.rpc_dir, ignore_errors=True)
+            self.rpc_dir = None
 
     def log_tail(self, lines: int = 40) -> str:
         """The last ``lines`` lines of the server log."""
