@@ -1,6 +1,6 @@
 """Replay lease event scripts through vLLM 0.32.0's own NixlConnector lease code and leasekit's model.
 
-Used by ``tests/unit/test_differential_vllm.py``. Pure logic on CPU: no server, no NIXL agent, no
+Used by ``tests/unit/test_differential_vllm_*.py``. Pure logic on CPU: no server, no NIXL agent, no
 network. vLLM is imported lazily (:func:`load_vllm`), so importing this module never needs vLLM.
 
 How the vLLM side is built (module ``vllm.distributed.kv_transfer.kv_connector.v1.nixl``):

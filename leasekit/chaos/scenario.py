@@ -45,7 +45,7 @@ class ScenarioError(ValueError):
 
 class Scenario(Strict):
     """One chaos scenario. ``incident`` names the incident class(es) it reproduces, ``K01``..``K13``
-    comma-separated (the simulator cases of ``tests/sim/test_cases.py``, one section per class)."""
+    comma-separated (the simulator cases of ``tests/sim/test_cases_*.py``, one section per class)."""
 
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9-]*$")
     description: str

@@ -1,6 +1,6 @@
 """A deterministic virtual-time P/D model over :mod:`leasekit.lease` (milliseconds per case).
 
-For the incident timelines (classes K01-K13, ``tests/sim/test_cases.py``) and property tests:
+For the incident timelines (classes K01-K13, ``tests/sim/test_cases_*.py``) and property tests:
 per-process clocks with offsets and rates, a notification bus that can drop, delay, duplicate and
 reorder, a D scheduler with admission rate, queue and forward-pass lengths, TP fan-out, kill and
 restart, and per-rank KV block pools with generation counters so a read of freed or reused blocks

@@ -4,7 +4,7 @@
 _reap_expired_send_leases``) with an expiry heap (:class:`leasekit.lease.table.PLeaseTable`) and handles
 D's notifications itself (:mod:`leasekit.vllm.prefill.notifications`). On scripts where the two are meant to agree (one
 D agent, each lease completed at most once with ``n = 1``; binding and duplicate handling are where
-LeaseKit differs on purpose, see ``test_differential_vllm.py``), both workers, built the way
+LeaseKit differs on purpose, see ``test_differential_vllm_p.py``), both workers, built the way
 ``tests/vllm_replay.py`` builds vLLM's (real ``start_load_kv``, ``_get_new_notifs`` and
 ``_reap_expired_send_leases`` of each class, a manual clock), must show the same live leases with the same
 deadlines, release the same ids and reap the same ids at every step: drain before reap, never shorter, an

@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 FORBIDDEN = (
     (re.compile(r"\.\./shared\b"), "the ../shared directory is not part of the repository"),
     (re.compile(r"\bDESIGN\.md\b"), "DESIGN.md is not part of the repository"),
-    (re.compile(r"\bCASES\.md\b"), "CASES.md is not part of the repository (the incident classes are tests/sim/test_cases.py)"),
+    (re.compile(r"\bCASES\.md\b"), "CASES.md is not part of the repository (the incident classes are tests/sim/test_cases_*.py)"),
     (re.compile(r"\bissues?\s*#?\d+", re.IGNORECASE), "an issue number"),
     (re.compile(r"(?<![\w/&#.-])#\d{1,2}\b"), "an issue or pull-request number"),
     (re.compile(r"\((?:points?|stops?)\s+\d", re.IGNORECASE), "a point or stop of an issue"),

@@ -1,24 +1,13 @@
-"""CASES.md K01-K13 in virtual time, each over a family of timings (not one timeline).
-
-Every world also passes the always-true invariants (bounded and not-premature reclaim, reaper
-completeness, fail closed, idempotent release) and, once quiet, conservation.
-"""
-
-import itertools
-import math
+"""Incident classes K01-K03, K08-K10 in virtual time, over families of timings: when a lease must expire, when not."""
 
 import pytest
 
 from leasekit.lease import LeaseTiming
-from leasekit.lease.table import LeaseEnd, Outcome, PLeaseTable
+from leasekit.lease.table import Outcome, PLeaseTable
 from leasekit.sim import RequestSpec, World, WorldConfig
 from leasekit.sim import invariants as inv
-from leasekit.sim.blocks import BlockPool
-from leasekit.sim.bus import delay_when, drop_heartbeats, fail_sends
-
-
-def assert_invariants(world: World, quiescent: bool = True) -> None:
-    assert inv.check_all(world, quiescent=quiescent) == {}
+from leasekit.sim.bus import delay_when, drop_heartbeats
+from tests.sim.cases_helpers import assert_invariants
 
 
 def first_step_at_or_after(world: World, t_local: float) -> float:
@@ -133,127 +122,6 @@ def test_k03_cancel_after_prefill_is_reclaimed_by_grant_plus_L(L, prefill_end, c
     assert_invariants(w)
 
 
-# -- K04 races between finish, abort, expiry and notifications -----------------------------------
-OPS = ("abort", "expire", "done", "duplicate_done")
-
-
-@pytest.mark.parametrize("order", list(itertools.permutations(OPS)))
-@pytest.mark.parametrize("consumers", [1, 2])
-def test_k04_every_ordering_frees_exactly_once(order, consumers):
-    timing = LeaseTiming.from_lease_duration(30)
-    table, pool = PLeaseTable(timing), BlockPool(64)
-    refs = pool.allocate("R", 8)
-    frees = 0
-
-    def free(result):
-        nonlocal frees
-        end = result.end if hasattr(result, "end") else result
-        if isinstance(end, LeaseEnd):
-            frees += 1
-            pool.free("R", refs)
-        elif isinstance(result, list):
-            for e in result:
-                frees += 1
-                pool.free(e.req_id, refs)
-
-    free(table.grant("R", 0.0, kv_blocks=8))
-    now = 0.0
-    for op in order:
-        now += 1.0
-        if op == "abort":
-            free(table.abort("R", now))
-        elif op == "expire":
-            now = max(now, 30.0)
-            free(table.reap(now))
-        elif op == "done":
-            for rank in range(consumers):
-                free(table.completion("R", consumers, now, sender=f"D-r{rank}"))
-        else:
-            free(table.completion("R", consumers, now, sender="D-r0"))
-    assert frees == 1
-    assert pool.pinned == 0 and pool.violations["double_free"] == 0
-    assert len(table) == 0
-
-
-# -- K05 reaper completeness ---------------------------------------------------------------------
-@pytest.mark.parametrize("b_offset, hb_every", [(1.0, 5.0), (0.5, 1.0), (7.0, 2.5)])
-def test_k05_a_lease_behind_a_live_head_is_still_reaped(b_offset, hb_every):
-    table = PLeaseTable(LeaseTiming.from_lease_duration(30))
-    table.grant("A", 0.0)
-    table.grant("B", b_offset)
-    reaped_b_at = None
-    t = 0.0
-    while t <= 300:
-        t = round(t + 0.1, 9)
-        if abs(t / hb_every - round(t / hb_every)) < 1e-9:
-            table.heartbeat(["A"], t)
-        for end in table.reap(t):
-            if end.req_id == "B":
-                reaped_b_at = t
-        assert all(lease.deadline_s > t for lease in table.leases())
-    assert reaped_b_at == pytest.approx(math.ceil((b_offset + 30) * 10 - 1e-6) / 10)
-    assert "A" in table
-
-
-# -- K06 completion before registration; n > 1 siblings ------------------------------------------
-@pytest.mark.parametrize("early, grant", [(0.100, 0.150), (0.0, 5.0), (1.0, 1.0)])
-def test_k06_completion_before_grant_is_buffered_and_matched(early, grant):
-    table = PLeaseTable(LeaseTiming.from_lease_duration(30))
-    assert table.completion("R", 1, early, sender="D-r0").kind == "buffered"
-    result = table.grant("R", grant)
-    assert isinstance(result, LeaseEnd) and result.outcome is Outcome.RELEASED and result.at_s == grant
-    assert len(table) == 0
-
-
-@pytest.mark.parametrize("rate_per_s, n", [(10, 4), (5, 8)])
-def test_k06_parallel_sampling_siblings_end_promptly_and_pins_stay_bounded(rate_per_s, n):
-    w = World(WorldConfig(latency_s=0.002))
-    peak = 0
-    requests = 0
-    for i in range(rate_per_s * 60):
-        t = i / rate_per_s
-        for s in range(n):
-            w.add(RequestSpec(f"R{i}.{s}", prefill_end_s=t, blocks=4, route_delay_s=0.01, prefix_hit=s > 0))
-            requests += 1
-    for step in range(0, 6100):
-        w.run(step * 0.01)
-        peak = max(peak, w.pinned_blocks()[0])
-    assert all(l.outcome is Outcome.RELEASED for l in w.leases.values()) and len(w.leases) == requests
-    assert max(l.end_true - l.granted_true for l in w.leases.values()) < 0.5
-    assert peak <= 4 * n * rate_per_s  # at most ~1 s worth of requests pinned
-    assert_invariants(w)
-
-
-# -- K07 heterogeneous tensor parallelism --------------------------------------------------------
-@pytest.mark.parametrize("p_tp, d_tp", [(4, 2), (8, 2), (2, 1), (4, 4)])
-def test_k07_every_p_rank_frees_in_the_same_step(p_tp, d_tp):
-    w = World(WorldConfig(p_tp=p_tp, d_tp=d_tp, latency_s=0.001, max_running=1))
-    w.add(RequestSpec("R", prefill_end_s=0.0, route_delay_s=0.01, d_local_id="d-local-R"))
-    w.add(RequestSpec("Q", prefill_end_s=0.0, route_delay_s=0.02, d_local_id="d-local-Q"))
-    w.run(60)
-    for req in ("R", "Q"):
-        ends = {w.lease(req, rank).end_local for rank in range(p_tp)}
-        assert len(ends) == 1 and all(w.lease(req, r).outcome is Outcome.RELEASED for r in range(p_tp))
-    assert w.pinned_blocks() == [0] * p_tp
-    assert_invariants(w)
-
-
-@pytest.mark.parametrize("L, kill", [(30, 5.0), (12, 2.0)])
-def test_k07_p_waits_for_two_completions_and_one_is_lost(L, kill):
-    # D TP=4 on P TP=2: each P rank waits for 2 completions; D rank 1's never arrives
-    w = World(WorldConfig(lease_duration_s=L, p_tp=2, d_tp=4, latency_s=0.001))
-    w.bus.rules.append(lambda msg, rng: __import__("leasekit.sim.bus", fromlist=["Action"]).Action(drop=True)
-                       if msg.kind == "completion" and msg.src.endswith("-r1") else None)
-    w.add(RequestSpec("R", prefill_end_s=0.0, route_delay_s=0.5))
-    w.kill_d(kill)
-    w.run(3 * L)
-    assert w.lease("R", 1).outcome is Outcome.RELEASED  # ranks 2 and 3 reported
-    lost = w.lease("R", 0)
-    assert lost.outcome is Outcome.EXPIRED  # bounded: never a wait forever
-    assert lost.end_local <= max(L, max(lost.hb_processed_local, default=0) + LeaseTiming.from_lease_duration(L).extension_s) + 0.1 + 1e-9
-    assert_invariants(w)
-
-
 # -- K08 the loss budget -------------------------------------------------------------------------
 def waiting_lease_with_dropped_heartbeats(L: int, dropped: int, latency: float = 0.0) -> World:
     t = LeaseTiming.from_lease_duration(L)
@@ -361,83 +229,3 @@ def test_k10_restart_reclaims_the_old_leases_and_revives_nothing(kill, restart):
     assert not any(f"R{i}" in w.tables[0] for i in range(5))
     assert w.requests["AFTER"].d_outcome == "served"
     assert_invariants(w)
-
-
-# -- K11 P dies during D's handshake -------------------------------------------------------------
-@pytest.mark.parametrize("handshake_s, retries, p_dies", [(1.0, 3, 0.5), (0.2, 5, 0.1)])
-def test_k11_p_dies_during_the_handshake_and_the_request_fails_in_bounded_time(handshake_s, retries, p_dies):
-    w = World(WorldConfig(latency_s=0.001, d_handshaken=False, handshake_s=handshake_s, handshake_retries=retries))
-    w.add(RequestSpec("R", prefill_end_s=0.0, route_delay_s=0.0))
-    w.kill_p(p_dies)
-    w.run(60)
-    record = w.requests["R"]
-    assert record.d_outcome == "failed"  # recompute or error per kv_load_failure_policy
-    assert record.d_outcome_true <= (retries + 1) * (handshake_s + w.config.d_tick_s)
-    assert w.counters["handshake_failures"] == retries
-    assert w.d_alive
-
-
-# -- K12 counters that mean one thing ------------------------------------------------------------
-@pytest.mark.parametrize("L, p_tp", [(30, 8), (60, 8), (30, 2), (12, 4)])
-def test_k12_each_counter_has_its_declared_value(L, p_tp):
-    w = World(WorldConfig(lease_duration_s=L, p_tp=p_tp, d_tp=p_tp, latency_s=0.001, max_running=0))
-    for i in range(3):
-        w.add(RequestSpec(f"OK{i}", prefill_end_s=0.0, route_delay_s=0.1))
-    for i in range(2):
-        w.add(RequestSpec(f"EXP{i}", prefill_end_s=0.0, route_delay_s=None))
-    w.add(RequestSpec("LATE", prefill_end_s=0.0, route_delay_s=None))
-    w.add(RequestSpec("XFER", prefill_end_s=0.0, route_delay_s=0.1, read_fails=True))
-    # D heartbeats OK0-2 and XFER from t=0.1; exactly 4 batches reach P; the 5th batch fails to send
-    # on every D rank, and right after it D admits everything queued.
-    batch_times: list[float] = []
-
-    def fifth_batch(m):
-        if m.kind != "heartbeat":
-            return False
-        if m.sent_at_s not in batch_times:
-            batch_times.append(m.sent_at_s)
-            if len(batch_times) == 5:
-                w.at(m.sent_at_s + 0.05, lambda world: setattr(world.config, "max_running", 100))
-        return len(batch_times) == 5 and m.sent_at_s == batch_times[4]
-
-    w.bus.rules.append(fail_sends(fifth_batch))
-    w.at(1.5 * L, lambda world: world._route_at(world.requests["LATE"], world.now))  # read after its expiry
-    w.run(4 * L)
-    per_rank = {k: sum(t.counters[k] for t in w.tables) for k in ("granted", "released", "expired", "late_completions", "extended")}
-    assert per_rank["granted"] == 7 * p_tp
-    assert per_rank["released"] == 3 * p_tp  # OK0-2
-    assert per_rank["expired"] == 4 * p_tp  # EXP0-1, LATE, and XFER (P never heard back)
-    assert per_rank["late_completions"] == 1 * p_tp  # LATE's read, once per P rank
-    assert per_rank["extended"] == 4 * 4 * p_tp  # 4 batches x 4 waiting requests x P ranks
-    assert w.counters["transport_failures"] == 1  # per request, and never an expiry
-    # per batch (D engine): 4 delivered, the failed 5th, and LATE's own batch after its expiry
-    assert w.counters["heartbeat_batches"] == 6
-    assert w.counters["heartbeat_send_failures"] == p_tp  # per D rank send: one failed batch
-    assert w.counters["unknown_heartbeat_ids"] == p_tp  # LATE's batch named an ended lease: per rank
-    assert w.counters["stale_reads_detected"] == 1  # LATE
-    assert sum(r.d_outcome == "served" for r in w.requests.values()) == 3
-
-
-# -- K13 a fault matrix of crafted kv_transfer_params --------------------------------------------
-@pytest.mark.parametrize("L", [30, 12])
-@pytest.mark.parametrize("row", ["unknown_id", "bad_blocks", "consumed", "reused", "expired"])
-def test_k13_every_crafted_read_is_detected_and_counted(row, L):
-    w = World(WorldConfig(lease_duration_s=L, latency_s=0.001, max_running=1 << 10))
-    w.add(RequestSpec("R", prefill_end_s=0.0, route_delay_s=0.01 if row in ("consumed", "reused") else None))
-    if row == "reused":
-        w.add(RequestSpec("OTHER", prefill_end_s=2.0, route_delay_s=None))  # takes R's freed blocks
-    spec = {
-        "unknown_id": RequestSpec("X", prefill_end_s=1.0, blocks=0, route_delay_s=0.01, remote_of="no-such-request"),
-        "bad_blocks": RequestSpec("X", prefill_end_s=1.0, blocks=0, route_delay_s=0.01, remote_of="R", bad_blocks=True),
-        "consumed": RequestSpec("X", prefill_end_s=1.0, blocks=0, route_delay_s=0.01, remote_of="R"),
-        "reused": RequestSpec("X", prefill_end_s=3.0, blocks=0, route_delay_s=0.01, remote_of="R"),
-        "expired": RequestSpec("X", prefill_end_s=1.0, blocks=0, route_delay_s=1.5 * L - 1.0, remote_of="R"),  # read at 1.5 L
-    }[row]
-    w.add(spec)
-    w.run(3 * L)
-    x = w.requests["X"]
-    assert x.d_outcome == "stale_detected"
-    assert x.read_result == {"unknown_id": "invalid", "bad_blocks": "invalid", "consumed": "freed",
-                             "reused": "reused", "expired": "freed"}[row]
-    assert w.counters["stale_reads_detected"] == 1
-    assert inv.fail_closed(w) == []
