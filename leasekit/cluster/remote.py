@@ -117,7 +117,8 @@ class RemoteVllmServer(VllmServer):
         ``SHIPPED_MODELS/<content hash>`` (the same path on P's and D's hosts), the logging config into
         the host's run directory; the connector fault file
         (``LEASEKIT_FAULT_FILE``) becomes a path there (the faults write it through the host); a
-        libfaketime shim (``LD_PRELOAD``) must exist there.
+        libfaketime shim (``LD_PRELOAD``) must exist there. vLLM's IPC sockets go to a ``/tmp/lk-rpc-*``
+        directory the host's teardown removes (unless the spec sets ``VLLM_RPC_BASE_PATH``).
 
         Raises:
             HostError: the shim is missing on the host (with the fix)."""
@@ -150,6 +151,9 @@ class RemoteVllmServer(VllmServer):
             env["LEASEKIT_FAULT_FILE"] = self.host.path(f"faults/{here}.json")
         if env.get("LD_PRELOAD"):
             env["LD_PRELOAD"] = self._preload_on_host(env["LD_PRELOAD"])
+        if "VLLM_RPC_BASE_PATH" not in env:  # vLLM's ZMQ IPC sockets: a directory the teardown removes, not /tmp
+            env["VLLM_RPC_BASE_PATH"] = self.host.check(["mktemp", "-d", "/tmp/lk-rpc-XXXXXXXX"]).strip()
+            self.host.register("dir", env["VLLM_RPC_BASE_PATH"])
         self.spec = dataclasses.replace(self.spec, extra_env=env)
 
     def _preload_on_host(self, preload: str) -> str:

@@ -48,3 +48,21 @@ def test_a_base_path_the_caller_set_is_kept(tmp_path, monkeypatch):
     finally:
         srv.stop(grace_s=1)
     assert mine.exists() and os.environ["VLLM_RPC_BASE_PATH"] == str(mine)
+
+
+def test_a_server_on_another_host_gets_a_directory_its_teardown_removes(tmp_path, monkeypatch):
+    from leasekit.cluster.localhost import LocalHost
+    from leasekit.cluster.remote import RemoteVllmServer
+
+    monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
+    with LocalHost("decode", workdir=str(tmp_path / "host"), run_name="run") as host:  # the SSH host's own code
+        spec = ServerSpec(name="fake-decode", role="decode", connector="stock", model_dir=tmp_path)
+        srv = RemoteVllmServer(spec, host, tmp_path / "local")
+        srv.command = lambda: [host.python, "-c", BIND]
+        srv.start()
+        rpc_dir = Path(srv.spec.extra_env["VLLM_RPC_BASE_PATH"])
+        assert rpc_dir.parent == Path("/tmp") and rpc_dir.name.startswith("lk-rpc-")
+        assert procs.wait_until(lambda: (rpc_dir / "engine-core").exists(), 10)
+        srv.kill()
+        assert (rpc_dir / "engine-core").exists()
+    assert not rpc_dir.exists()
