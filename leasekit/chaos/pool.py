@@ -93,6 +93,8 @@ class PairPool:
         if self._matches_current(spec):
             if not (pair.decode.alive() and pair.decode.healthy()):
                 spare = self.spare_decodes.pop(0) if self.spare_decodes else None
+                if spare is not None and not spare.alive():
+                    spare.stop(grace_s=1)  # died warming up: close its log, remove its IPC socket directory
                 if spare is not None and spare.alive():
                     self.say("D was taken down: promoting the spare D started in the background")
                     try:

@@ -138,7 +138,7 @@ class VllmServer:
         self._log_file = open(self.log_path, "ab")
         self._log_file.write(f"# leasekit: {' '.join(self.command())}\n".encode())
         if "VLLM_RPC_BASE_PATH" not in os.environ and "VLLM_RPC_BASE_PATH" not in self.spec.extra_env:
-            self.rpc_dir = tempfile.mkdtemp(prefix="lk-rpc-")  # short: a socket path has at most 107 bytes
+            self.rpc_dir = tempfile.mkdtemp(prefix="lk-rpc-", dir="/tmp")  # short (not $TMPDIR): a socket path has <= 107 bytes
         self._log_file.flush()
         in_main = threading.current_thread() is threading.main_thread()
         self.proc = subprocess.Popen(

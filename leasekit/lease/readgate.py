@@ -19,7 +19,8 @@ Outcomes (a closed set, fit for a metric label): ``verified`` (every P agent sai
 P request by this worker is undecided or already ended: discarded), ``unprotected`` (P did
 not mark the request with ``leasekit_protocol``: a stock P; the read is used as stock vLLM does, and only
 counted), ``abandoned`` (the request finished on D, e.g. a client abort, before its read was decided: the
-read is reported done only so that vLLM frees the request's blocks; no tokens come of it).
+read is reported done only so that vLLM frees the request's blocks; no tokens come of it), ``pushed`` (push mode:
+P WRITEs the blocks into D, so there is no read to gate; reported done and counted).
 
 Threat model: verdicts and acknowledgements are trusted as coming from the P agent they name (the first
 frame of a ZMQ message, leasekit/vllm/verdictchan.py), so a peer that can reach D's verdict inbox could

@@ -170,7 +170,7 @@ class PushFlow:
                     self._notify_end(agent, d_request_id)
                 except Exception as exc:  # rare (the send itself reports its errors): logged, rate-limited
                     self._end_warning.warn("LeaseKit: could not tell D that its lease ended: %s", repr(exc)[:DETAIL_CHARS],
-                                           event="push_end_failed")
+                                           event="push_end_failed", remote_agent=agent)  # logged as its peer ref
         if self._wake is not None and self.guard.held and (self._wake_timer is None or not self._wake_timer.is_alive()):
             self._wake_timer = threading.Timer(self.guard.hold_s + 0.05, self._wake)  # decide them when their hold ends
             self._wake_timer.daemon = True

@@ -254,11 +254,14 @@ def test_a_registered_lease_is_remembered_until_it_ends_however_many_others_come
 
 
 def test_a_failing_lease_end_send_loses_none_of_the_batchs_accepted_registrations(caplog):
+    from leasekit.lease.peerref import peer_ref
+
     now = [0.0]
     flow, leases, drops, _ = make_flow(now)
+    agent = "d-agent-6f1c0d2e-9b7a-4c1e-8f3d-2a5b7c9e1f04"  # NIXL names agents by UUID
 
-    def broken(agent, rid):
-        raise RuntimeError("nixl agent gone")
+    def broken(who, rid):
+        raise RuntimeError(f"nixl agent {who} gone")
 
     flow._notify_end = broken
     leases["cmpl-a-0-1a2b3c4d"] = 6.0
@@ -266,14 +269,15 @@ def test_a_failing_lease_end_send_loses_none_of_the_batchs_accepted_registration
     del leases["cmpl-a-0-1a2b3c4d"]
     with flow.write_lock:
         flow.reaped(["cmpl-a-0-1a2b3c4d"])
-    assert flow.writer_batch({"d-agent": [reg("cmpl-a-0-99999999")]}) == {}  # held
+    assert flow.writer_batch({agent: [reg("cmpl-a-0-99999999")]}) == {}  # held
     now[0] = 1.0
     leases["cmpl-b-0-1a2b3c4d"] = 6.0
     flow.granted("cmpl-b-0-1a2b3c4d")
     with caplog.at_level("WARNING"):  # the hold ends in the batch that brings b's registration: the send raises
-        out = flow.writer_batch({"d-agent": [reg("cmpl-b-0-99999999")]})
-    assert out == {"d-agent": [reg("cmpl-b-0-99999999")]}
-    assert "could not tell D that its lease ended" in caplog.text and "nixl agent gone" in caplog.text
+        out = flow.writer_batch({agent: [reg("cmpl-b-0-99999999")]})
+    assert out == {agent: [reg("cmpl-b-0-99999999")]}
+    assert "could not tell D that its lease ended" in caplog.text and "gone" in caplog.text
+    assert agent not in caplog.text and peer_ref(agent) in caplog.text  # a peer's name is logged as its reference
 
 
 def test_a_queued_drop_keeps_a_bounded_detail():

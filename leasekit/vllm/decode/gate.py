@@ -18,7 +18,7 @@ A read of P's KV blocks becomes tokens only after P confirmed that the lease cov
   blocks), ``reaped``, ``timeout`` and ``ungated`` ones are reported failed, so vLLM puts their local
   blocks in ``_invalid_block_ids`` and the scheduler applies ``kv_load_failure_policy`` (``recompute``, or
   a request-level error). Reads of requests P did not mark (stock P) are ``unprotected``: used as stock
-  does, and counted;
+  does, and counted (``pushed`` in a push worker, where P WRITEs the blocks and there is no read to gate);
 - ``_send_heartbeats`` (``base_worker.py``) -> :meth:`DReadGate.hello_engines`, and each heartbeat's bytes
   through :meth:`DReadGate.sequence_heartbeat` (the NIXL wrapper's tap).
 
